@@ -1,0 +1,24 @@
+# Shared by bin/test and bin/demo: create or refresh .venv, then install the project.
+# Sourced, not executed. Leaves VENV_PY set to the venv's python.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.dflash-stamp"
+EXTRAS="${DFLASH_EXTRAS:-dev,demo}"
+want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$EXTRAS"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
+  echo "[setup] preparing $VENV (extras: $EXTRAS)" >&2
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  pip_q=(-q --disable-pip-version-check)
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    # No NVIDIA GPU: take the CPU wheel of torch that lies on local disk, never a multi-GB CUDA build.
+    "$VENV/bin/pip" install "${pip_q[@]}" "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  fi
+  "$VENV/bin/pip" install "${pip_q[@]}" -e "$ROOT[$EXTRAS]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  "$VENV/bin/python" -c "import dflash_staged, torch, zarr, transformers" \
+    || { echo "[setup] installation failed; see the pip output above" >&2; exit 1; }
+  echo "$want" > "$STAMP"
+fi
+VENV_PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"

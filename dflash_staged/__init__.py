@@ -1,0 +1,2 @@
+"""dflash-staged."""
+__version__ = "0.1.0"

@@ -1,0 +1,317 @@
+"""Configuration: TOML files under ``configs/`` loaded into self-validating dataclasses.
+
+A config has five sections, each a dataclass below: ``[target]``, ``[data]``,
+``[drafter]``, ``[train]`` and ``[extract]``. Every field has a default, so a
+file only states what differs. Loading rejects unknown keys and wrong types
+with a :class:`ConfigError` naming the file, the key and the expected type;
+each dataclass's ``__post_init__`` checks values and names the fix.
+
+``dflash plan`` snapshots the resolved config into the manifest; ``extract``
+and ``train`` read it back from there (see :mod:`dflash_staged.manifest`), so
+both sides always agree. Runtime-only settings (devices, window, paths) can be
+overridden on their own command lines; :data:`RUNTIME_KEYS` lists them and
+:data:`REPLAY_OVERRIDABLE` lists what ``train --replay`` may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import hashlib
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+from .errors import DflashError
+
+
+class ConfigError(DflashError, ValueError):
+    """A config file or value is invalid. The message names file, key and the fix."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class TargetConfig:
+    # "tiny:qwen3", "tiny:qwen3_5", "tiny:qwen3_next" build a tiny random target in
+    # code (see dflash_staged.tiny); anything else is a local directory or hub id.
+    model: str = "tiny:qwen3"
+    gguf_file: str = ""
+    tokenizer: str = ""  # defaults to `model`
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    attn_implementation: str = "sdpa"
+    # Tapped layers; empty = the DFlash rule from drafter.num_hidden_layers.
+    target_layer_ids: list[int] = field(default_factory=list)
+    allow_slow_kernels: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "target.model is empty: set it to a model directory, a hub id, or 'tiny:qwen3'")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"target.dtype={self.dtype!r}: use one of auto, float32, bfloat16, float16")
+        _check(all(i >= 0 for i in self.target_layer_ids),
+               f"target.target_layer_ids={self.target_layer_ids}: layer ids must be >= 0")
+        _check(len(set(self.target_layer_ids)) == len(self.target_layer_ids),
+               f"target.target_layer_ids={self.target_layer_ids}: remove the duplicate ids")
+
+
+@dataclass
+class DataConfig:
+    max_len: int = 2048
+    overlength: str = "truncate"  # or "skip"
+    bucket_edges: list[int] = field(default_factory=list)  # empty = automatic quantiles
+    num_buckets: int = 8  # used when bucket_edges is empty
+    token_budget: int = 16384  # batch_size x longest <= token_budget
+    min_loss_tokens: int = 0  # 0 = 2 x drafter.block_size
+
+    def __post_init__(self) -> None:
+        _check(self.max_len >= 2, f"data.max_len={self.max_len}: must be >= 2")
+        _check(self.overlength in ("truncate", "skip"),
+               f"data.overlength={self.overlength!r}: use 'truncate' or 'skip'")
+        _check(self.num_buckets >= 1, f"data.num_buckets={self.num_buckets}: must be >= 1")
+        _check(self.bucket_edges == sorted(set(self.bucket_edges)) and all(e > 0 for e in self.bucket_edges),
+               f"data.bucket_edges={self.bucket_edges}: use strictly increasing positive lengths")
+        _check(self.token_budget >= self.max_len,
+               f"data.token_budget={self.token_budget} < data.max_len={self.max_len}: raise the budget "
+               "so the longest sequence fits a batch")
+        _check(self.min_loss_tokens >= 0, "data.min_loss_tokens must be >= 0")
+
+
+@dataclass
+class DrafterConfig:
+    num_hidden_layers: int = 1
+    intermediate_size: int = 0  # 0 = 3 x target hidden size
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0 = target hidden / heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    block_size: int = 16
+    mask_token_id: int = -1  # -1 = len(tokenizer) when that is < vocab size
+    dtype: str = "bfloat16"  # dtype of the saved checkpoint
+
+    def __post_init__(self) -> None:
+        _check(self.num_hidden_layers >= 1, f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1")
+        _check(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2")
+        _check(self.num_attention_heads >= 1 and self.num_key_value_heads >= 1,
+               "drafter.num_attention_heads and num_key_value_heads must be >= 1")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0,
+               f"drafter.num_attention_heads={self.num_attention_heads} is not a multiple of "
+               f"num_key_value_heads={self.num_key_value_heads}: pick a divisor")
+        _check(self.dtype in ("float32", "bfloat16", "float16"),
+               f"drafter.dtype={self.dtype!r}: use float32, bfloat16 or float16")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    grad_accum: int = 4
+    microbatch_tokens: int = 16384
+    num_anchors: int = 512
+    gamma: float = 7.0
+    noise_std: float = 0.0
+    noise_schedule: str = "constant"  # constant | linear | cosine (decay to 0 over training)
+    buffer_capacity: int = 8
+    min_ready: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10  # host-synchronising metrics (loss, accuracy) every N steps on CUDA
+    loss_chunk: int = 4096  # positions per chunk in the LM-head + loss
+    compile: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"train.lr={self.lr}: must be > 0")
+        _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio={self.warmup_ratio}: use a value in [0, 1)")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+               f"train.betas={self.betas}: give two values in [0, 1)")
+        _check(self.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
+        _check(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum}: must be >= 1")
+        _check(self.microbatch_tokens >= 1, "train.microbatch_tokens must be >= 1")
+        _check(self.num_anchors >= 1, f"train.num_anchors={self.num_anchors}: must be >= 1")
+        _check(self.gamma > 0, f"train.gamma={self.gamma}: must be > 0")
+        _check(self.noise_std >= 0, "train.noise_std must be >= 0")
+        _check(self.noise_schedule in ("constant", "linear", "cosine"),
+               f"train.noise_schedule={self.noise_schedule!r}: use constant, linear or cosine")
+        _check(self.buffer_capacity >= 1, "train.buffer_capacity must be >= 1")
+        _check(1 <= self.min_ready <= self.buffer_capacity,
+               f"train.min_ready={self.min_ready} must be between 1 and train.buffer_capacity="
+               f"{self.buffer_capacity}: lower min_ready or raise the capacity")
+        _check(self.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
+        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+        _check(self.log_every >= 1, "train.log_every must be >= 1")
+        _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
+
+
+@dataclass
+class ExtractConfig:
+    window: int = 64  # shards claimed, written or consumed but not released
+    window_bytes: int = 0  # 0 = no byte limit
+    lease_s: float = 300.0
+    max_attempts: int = 3
+    compression: str = "none"  # none | zstd
+
+    def __post_init__(self) -> None:
+        _check(self.window >= 1, f"extract.window={self.window}: must be >= 1")
+        _check(self.window_bytes >= 0, "extract.window_bytes must be >= 0 (0 = unlimited)")
+        _check(self.lease_s > 0, "extract.lease_s must be > 0")
+        _check(self.max_attempts >= 1, "extract.max_attempts must be >= 1")
+        _check(self.compression in ("none", "zstd"),
+               f"extract.compression={self.compression!r}: use 'none' or 'zstd'")
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def plan_hash(self) -> str:
+        """Hash of the settings that shape the plan and the shards (not runtime knobs)."""
+        d = self.to_dict()
+        keep = {"target": d["target"], "data": d["data"],
+                "drafter": {"block_size": d["drafter"]["block_size"],
+                            "num_hidden_layers": d["drafter"]["num_hidden_layers"]}}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def min_loss_tokens(self) -> int:
+        return self.data.min_loss_tokens or 2 * self.drafter.block_size
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+_SECTION_CLASSES = {"target": TargetConfig, "data": DataConfig, "drafter": DrafterConfig,
+                    "train": TrainConfig, "extract": ExtractConfig}
+
+# Settings `train --replay` may override; everything else is fixed by the stored shards.
+REPLAY_OVERRIDABLE = {
+    "drafter": {"num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "block_size", "rms_norm_eps", "rope_theta", "dtype"},
+    "train": {f.name for f in fields(TrainConfig)},
+}
+# Runtime-only settings a command line may override against the manifest's snapshot.
+RUNTIME_KEYS = {"extract": {"window", "window_bytes", "lease_s", "max_attempts"},
+                "target": {"allow_slow_kernels", "dtype", "attn_implementation"}}
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        return f"list of {_type_name(arg)}"
+    return {int: "integer", float: "number", str: "string", bool: "boolean"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against annotation `tp`; return it (ints accepted for floats)."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    else:  # pragma: no cover
+        ok = True
+    if not ok:
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if tp is int and abs(value) > 2**62:
+        raise ConfigError(f"{where}: {value} is out of range; use a value below 2**62")
+    return value
+
+
+def _build_section(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a table [{where.rsplit(' ', 1)[-1]}], got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown key; known keys are: {', '.join(sorted(known))}")
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where.split(':')[0]}: {e}") from None
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
+    for key in raw:
+        if key not in _SECTION_CLASSES:
+            raise ConfigError(f"{source}: unknown section [{key}]; known sections are: "
+                              f"{', '.join(_SECTION_CLASSES)}")
+    parts = {name: _build_section(cls, raw.get(name, {}), f"{source}: {name}")
+             for name, cls in _SECTION_CLASSES.items()}
+    return Config(**parts)
+
+
+def load_config(path: str | Path) -> Config:
+    """Load and validate a TOML config; errors name the file, key and expected type."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config ({e.strerror}); check the path") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: byte {e.start} is not UTF-8; save the file as UTF-8") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}; fix the syntax") from None
+    return config_from_dict(raw, str(path))
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, dict[str, Any]], allowed: dict[str, set[str]],
+                    what: str) -> Config:
+    """Return a copy of cfg with section.key values replaced; refuse keys outside `allowed`."""
+    raw = cfg.to_dict()
+    for section, kv in overrides.items():
+        for key, value in kv.items():
+            if key not in allowed.get(section, set()):
+                raise ConfigError(f"{section}.{key} cannot be changed for {what}: it is fixed by the "
+                                  f"manifest/stored shards; re-plan to change it")
+            raw[section][key] = value
+    return config_from_dict(raw, f"<{what} overrides>")
+
+
+def dflash_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The DFlash tap rule: round(1 + i*(L-4)/(k-1)) for i in 0..k-1, [L//2] for k == 1."""
+    L, k = num_target_layers, num_draft_layers
+    if k == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (k - 1)) for i in range(k)]
