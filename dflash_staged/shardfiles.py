@@ -1,0 +1,171 @@
+"""Crash-safe file primitives and zarr v3 metadata for the shard store (:mod:`dflash_staged.store`).
+
+Every file is created exclusively, written in full and fsynced; directories are fsynced after
+their entries change. :data:`_os_write` is the one function that writes file bytes, so tests
+can monkeypatch it to simulate a full disk or a writer killed mid-write. Temp entries are named
+``<prefix>~<pid>~<token>~<host>`` so that :func:`owner_dead` can tell leftovers of dead
+writers from live ones. CRC32C runs on one helper thread, overlapping disk I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+import torch
+
+BLOCK = 32 << 20  # read block; the CRC of block i runs while block i+1 is read
+HOST = socket.gethostname()
+_os_write = os.write  # the one function that writes file bytes; tests monkeypatch it (ENOSPC, crash)
+
+
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def crc_executor() -> ThreadPoolExecutor:
+    global _crc_pool  # one worker: CRC blocks of one array are processed in submission order
+    if _crc_pool is None:
+        _crc_pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-crc")
+    return _crc_pool
+
+
+def crc(arr: np.ndarray, start: int = 0) -> int:
+    return google_crc32c.extend(start, arr) if arr.size else start
+
+
+def bytes_view(t: torch.Tensor) -> np.ndarray:
+    """Flat uint8 numpy view of a contiguous CPU tensor's storage (no copy)."""
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def write_file(path: Path, data) -> int:
+    """Create ``path`` (must not exist), write all of ``data`` (bytes-like), fsync. Returns its size."""
+    mv = memoryview(data).cast("B")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        pos, n = 0, len(mv)
+        while pos < n:
+            pos += _os_write(fd, mv[pos:pos + (1 << 30)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return n
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, obj) -> None:
+    write_file(path, json.dumps(obj, indent=1).encode())
+
+
+def group_json(attributes: dict | None = None) -> dict:
+    return {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+
+
+def array_json(shape, data_type: str, compression: str, logical_dtype: str) -> dict:
+    codec = {"name": "bytes"}
+    if np.dtype(data_type).itemsize > 1:
+        codec["configuration"] = {"endian": "little"}
+    codecs = [codec] + ([{"name": "zstd", "configuration": {"level": 1, "checksum": False}}]
+                        if compression == "zstd" else [])
+    return {"zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": data_type,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, s) for s in shape]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+            "fill_value": 0, "codecs": codecs, "attributes": {"logical_dtype": logical_dtype},
+            "storage_transformers": []}
+
+
+def chunk_file(ndim: int) -> str:
+    return ".".join(["c"] + ["0"] * ndim)
+
+
+def temp_name(kind: str, label: str) -> str:
+    return f".{kind}~{label}~{os.getpid()}~{secrets.token_hex(4)}~{HOST}"
+
+
+def owner_dead(name: str, stale_s: float, path: Path) -> bool:
+    """Is the process that made temp entry ``name`` gone? Unknown hosts count as dead once stale."""
+    parts = name.rsplit("~", 3)  # prefix, pid, token, host
+    if len(parts) != 4 or not parts[1].isdigit():
+        return False
+    if parts[3] != HOST:
+        try:
+            return time.time() - path.lstat().st_mtime > stale_s
+        except FileNotFoundError:
+            return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def zstd():
+    from numcodecs import Zstd
+    return Zstd(level=1, checksum=False)
+
+
+class ChunkError(Exception):
+    """A chunk file is missing, has the wrong size or does not decode (``truncated`` if short/missing)."""
+
+    def __init__(self, msg: str, truncated: bool):
+        super().__init__(msg)
+        self.truncated = truncated
+
+
+def read_chunk(path: Path, view: np.ndarray, stored: int, verify: bool, compression: str) -> int:
+    """Read chunk file ``path`` (``stored`` bytes on disk) into uint8 ``view``; return its CRC32C (0 if not ``verify``).
+
+    Uncompressed chunks are read straight into ``view`` (the only copy), block by block, while the
+    CRC of the previous block runs on the CRC thread.
+    """
+    if view.size == 0:
+        return 0
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise ChunkError("the file is missing", truncated=True) from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size != stored:
+            raise ChunkError(f"has {size} bytes but its metadata says {stored}", truncated=size < stored)
+        if compression == "zstd":
+            try:
+                zstd().decode(f.read(), out=view)
+            except Exception as e:
+                raise ChunkError(f"does not decompress ({e})", truncated=False) from None
+            return crc(view) if verify else 0
+        mv, pool = memoryview(view), crc_executor()
+        state, futs, pos = [0], [], 0
+
+        def add(a: int, b: int) -> None:
+            state[0] = crc(view[a:b], state[0])
+        while pos < size:
+            n = f.readinto(mv[pos:pos + BLOCK])
+            if not n:
+                raise ChunkError(f"ended at byte {pos} of {size}", truncated=True)
+            if verify:
+                futs.append(pool.submit(add, pos, pos + n))
+            pos += n
+        for fut in futs:
+            fut.result()
+        if pos != view.size:
+            raise ChunkError(f"holds {pos} bytes, the array needs {view.size}", truncated=pos < view.size)
+        return state[0]
