@@ -315,7 +315,7 @@ def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False,
     except OSError as e:
         raise DatasetError(f"{path}: cannot read the data file ({e.strerror}); check the path") from None
     digest = hashlib.sha256(data).hexdigest()
-    if not data.strip():
+    if not data or data.isspace():
         raise DatasetError(f"{path}: the data file is empty; give one JSON object per line")
     parse = _Parser(cfg, tokenizer)
     max_len, skip_long = cfg.data.max_len, cfg.data.overlength == "skip"
@@ -327,7 +327,7 @@ def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False,
     bar = tqdm(raw_lines, unit="line", desc="tokenise", disable=None if progress else True,
                mininterval=1.0, file=sys.stderr)
     for lineno, raw in enumerate(bar, 1):
-        if not raw.strip():
+        if not raw or raw.isspace():  # blank lines are not samples (isspace: no copy, unlike strip)
             continue
         stats["lines"] += 1
         try:
