@@ -114,6 +114,23 @@ def test_early_stop_skips_later_modules(kind):
         assert t.model(input_ids=samples((3,))[0][None]).logits.shape == (1, 3, t.vocab_size)
 
 
+def test_nested_multimodal_layers_are_found():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    cfg = Qwen3_5Config(text_config=tiny_config("qwen3_5").to_dict(),
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                           out_hidden_size=256))
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(cfg).eval()
+    t = Target(model, [1, 6], "test", "cpu")
+    assert t.layers is model.model.language_model.layers and t.is_hybrid and t.num_layers == 8
+    ids = samples((10,))[0][None]
+    with torch.inference_mode():
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    taps = t.capture(ids)
+    torch.testing.assert_close(taps[:, :, 0], hs[2], rtol=0, atol=0)
+    torch.testing.assert_close(taps[:, :, 1], hs[7], rtol=0, atol=0)
+
+
 def test_target_attributes():
     t = target("qwen3_5")
     assert (t.num_layers, t.hidden_size, t.vocab_size) == (8, 256, 2048)
