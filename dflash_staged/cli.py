@@ -7,6 +7,7 @@ User errors (:class:`dflash_staged.errors.DflashError`) print one clean line and
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 import sys
 
 import click
@@ -75,6 +76,101 @@ def status_cmd(manifest_dir, as_json, list_jobs):
         else:
             st = m.status()
             click.echo(json.dumps(st) if as_json else format_status(st))
+
+
+@main.command()
+@click.option("--manifest", "manifest_dir", required=True, type=click.Path(path_type=Path), help="Manifest directory.")
+@click.option("--store", "store_dir", required=True, type=click.Path(path_type=Path), help="Shard store (zarr) on NVMe.")
+@click.option("--devices", default="cpu", show_default=True, help="One worker per device: cuda:0,cuda:1 or cpu,cpu.")
+@click.option("--window", type=int, default=None, help="Max shards claimed/written/consumed but not released.")
+@click.option("--window-bytes", type=str, default=None, help="Max bytes in the window, e.g. 200G (default: config).")
+@click.option("--train-ranks", type=int, default=1, show_default=True, help="Trainer ranks, for the window check.")
+@click.option("--allow-slow-kernels", is_flag=True, help="Run a hybrid target on CUDA without fla/causal-conv1d.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+              help="Override target.dtype (CPU only; CUDA uses bf16 by default).")
+@user_errors
+def extract(manifest_dir, store_dir, devices, window, window_bytes, train_ranks, allow_slow_kernels, dtype):
+    """Run target workers that write hidden-state shards for the manifest's jobs."""
+    from .extract import options_from, run_extract
+    from .manifest import Manifest
+    with Manifest.open(manifest_dir) as m:
+        cfg = m.config
+    opts = options_from(manifest_dir, store_dir, devices, cfg.extract, window=window,
+                        window_bytes=parse_size(window_bytes) if window_bytes else None,
+                        allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks)
+    sys.exit(run_extract(opts))
+
+
+@main.command()
+@click.option("--manifest", "manifest_dir", required=True, type=click.Path(path_type=Path), help="Manifest directory.")
+@click.option("--store", "store_dir", required=True, type=click.Path(path_type=Path), help="Shard store written by extract.")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Run directory (checkpoints, metrics).")
+@click.option("--replay", is_flag=True, help="Train offline from kept shards: no tailing, no manifest writes.")
+@click.option("--keep-shards", is_flag=True, help="Keep consumed shards on disk (state kept) for later replays.")
+@click.option("--order-from", type=click.Path(path_type=Path), default=None,
+              help="With --replay: repeat the exact step order recorded in that run directory.")
+@click.option("--passes", type=int, default=1, show_default=True, help="With --replay: passes over the kept shards.")
+@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override a train (and, with --replay, drafter) setting, e.g. --set train.lr=1e-3.")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--no-verify", is_flag=True, help="Skip shard checksum verification on read.")
+@click.option("--max-steps", type=int, default=None, help="Stop (with a checkpoint) after this many steps.")
+@click.option("--nproc", type=int, default=1, show_default=True, help="Trainer ranks: relaunch under torchrun (DDP).")
+@click.option("--tensorboard", is_flag=True, help="Also log to RUN_DIR/tensorboard.")
+@user_errors
+def train(manifest_dir, store_dir, out_dir, replay, keep_shards, order_from, passes, sets, device, no_verify,
+          max_steps, nproc, tensorboard):
+    """Train the drafter from the shards extract writes (or replay a kept store)."""
+    import os
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        args = [a for a in sys.argv[1:]]
+        i = args.index("--nproc")
+        del args[i:i + 2]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "dflash_staged"] + args
+        os.execv(sys.executable, cmd)
+    if order_from and not replay:
+        raise DflashError("--order-from needs --replay")
+    from .trainer_setup import TrainOptions, build_run
+    from .train import train_loop
+    opts = TrainOptions(manifest=manifest_dir, store=store_dir, out=out_dir, replay=replay, keep_shards=keep_shards,
+                        order_from=order_from, passes=passes, overrides=parse_sets(sets), device=device,
+                        verify=not no_verify, max_steps=max_steps, tensorboard=tensorboard)
+    run = build_run(opts)
+    try:
+        code = train_loop(run)
+    finally:
+        run.close()
+    sys.exit(code)
+
+
+def parse_sets(sets) -> dict:
+    """['train.lr=1e-3', 'drafter.block_size=8'] -> {'train': {'lr': 0.001}, 'drafter': {'block_size': 8}}."""
+    from .config import tomllib
+    out: dict = {}
+    for s in sets:
+        key, sep, value = s.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise DflashError(f"--set {s!r}: use SECTION.KEY=VALUE, e.g. --set train.lr=1e-3")
+        try:
+            parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value.strip()
+        out.setdefault(section, {})[name] = parsed
+    return out
+
+
+def parse_size(text: str) -> int:
+    """'200G', '1.5T', '512M', '1000' -> bytes."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise DflashError(f"cannot read size {text!r}: use a number of bytes or e.g. 512M, 200G, 1.5T") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -236,6 +236,8 @@ class Manifest:
         """
         dir = Path(dir)
         wanted = {"config": config.to_dict(), "data_hash": data_hash, "epochs": plan.epochs, "seed": plan.seed}
+        if dir.is_dir() and not any(dir.iterdir()):
+            dir.rmdir()  # an empty directory (e.g. made by the user) counts as no manifest
         if dir.exists():
             m = cls.open(dir)
             have = {"config": m.config.to_dict(), "data_hash": m.meta["data_hash"], "epochs": m.meta["epochs"],

@@ -70,8 +70,8 @@ import google_crc32c
 import torch
 
 from .errors import DflashError
-from .shardfiles import (ChunkError, array_json, bytes_view, chunk_file, crc, crc_executor, fsync_dir,
-                         group_json, owner_dead, read_chunk, temp_name, write_file, write_json, zstd)
+from .shardfiles import (ChunkError, array_json, bytes_view, chunk_file, crc, crc_executor, empty_tensor,
+                         fsync_dir, group_json, owner_dead, read_chunk, temp_name, write_file, write_json, zstd)
 
 FORMAT_VERSION = 1
 ARRAYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens", "sample_ids")
@@ -155,6 +155,13 @@ class Shard:
 
 
 # ---------------------------------------------------------------- the store
+
+@dataclass
+class StagedShard:
+    """A completely written shard under its temporary name, not yet visible to readers."""
+    tmp: Path
+    info: ShardInfo
+
 
 class ShardStore:
     """A directory of shards; see the module docstring for the layout contract."""
@@ -317,6 +324,28 @@ class ShardStore:
     def write_shard(self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids, loss_mask,
                     cu_seqlens, sample_ids) -> ShardInfo:
         """Publish one shard atomically (replacing an older one of the same job); return its size and checksum."""
+        staged = self.stage_shard(epoch, job_id, hidden, input_ids, loss_mask, cu_seqlens, sample_ids)
+        self.commit_staged(staged)
+        return staged.info
+
+    def commit_staged(self, staged: "StagedShard") -> None:
+        """Rename a staged shard into place (replacing an older one of the same job) and fsync the parent.
+
+        Extract calls this while holding the manifest's write lock, after checking that its claim is
+        still valid, so a worker that lost its claim can never replace a newer shard."""
+        final = self.shard_path(staged.info.epoch, staged.info.job_id)
+        if final.exists():
+            self.delete_shard(staged.info.epoch, staged.info.job_id)
+        os.rename(staged.tmp, final)
+        fsync_dir(final.parent)
+
+    @staticmethod
+    def discard_staged(staged: "StagedShard") -> None:
+        shutil.rmtree(staged.tmp, ignore_errors=True)
+
+    def stage_shard(self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids, loss_mask,
+                    cu_seqlens, sample_ids) -> "StagedShard":
+        """Write one shard completely (files and directories fsynced) under a temporary name."""
         arrays = self._arrays(hidden, input_ids, loss_mask, cu_seqlens, sample_ids)
         edir = self._epoch_dir(epoch)
         tmp = edir / temp_name("tmp", f"j{int(job_id)}")
@@ -348,11 +377,6 @@ class ShardStore:
                      "nbytes": nbytes, "checksum": checksum, "arrays": entries}
             write_json(tmp / "zarr.json", group_json({"dflash_shard": attrs}))
             fsync_dir(tmp)
-            final = self.shard_path(epoch, job_id)
-            if final.exists():
-                self.delete_shard(epoch, job_id)
-            os.rename(tmp, final)
-            fsync_dir(edir)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -364,7 +388,7 @@ class ShardStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return ShardInfo(int(epoch), int(job_id), nbytes, checksum)
+        return StagedShard(tmp, ShardInfo(int(epoch), int(job_id), nbytes, checksum))
 
     def read_attrs(self, epoch: int, job_id: int) -> dict:
         """The shard's ``dflash_shard`` attributes (sizes, checksum) without reading the data."""
@@ -396,7 +420,7 @@ class ShardStore:
         for name in ARRAYS:
             e = attrs["arrays"][name]
             dtype = self._torch_dtype if name == "hidden" else _SMALL[name][0]
-            t = torch.empty(e["shape"], dtype=dtype)
+            t = empty_tensor(e["shape"], dtype)
             view = bytes_view(t)
             if view.size != e["raw_bytes"]:
                 raise ShardCorruptError(f"shard {d}: {name} metadata is inconsistent; re-extract the job")

@@ -1,0 +1,91 @@
+"""Shared helpers for the pipeline tests: datasets, planning, and running the CLI as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def write_dataset(path: Path, n: int = 24, seed: int = 0, lo: int = 24, hi: int = 200) -> Path:
+    """Token-id lines with varied lengths (long-tailed) and a prompt part without loss."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            L = int(np.clip(rng.lognormal(np.log((lo + hi) / 3), 0.5), lo, hi))
+            ids = rng.integers(4, 2048, L).tolist()
+            prompt = int(rng.integers(2, max(3, L // 4)))
+            mask = [0] * prompt + [1] * (L - prompt)
+            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
+    return path
+
+
+def write_config(path: Path, extra: str = "", base: Path = TINY) -> Path:
+    """The tiny config with extra TOML appended per section (later keys override via re-parse)."""
+    import tomllib
+    cfg = tomllib.loads(base.read_text())
+    for section, kv in tomllib.loads(extra).items():
+        cfg.setdefault(section, {}).update(kv)
+    lines = []
+    for section, kv in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in kv.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plan(tmp_path: Path, n: int = 24, epochs: int = 1, extra: str = "", seed: int = 0, hi: int = 200) -> Path:
+    data = write_dataset(tmp_path / "data.jsonl", n=n, seed=seed, hi=hi)
+    cfg = write_config(tmp_path / "cfg.toml", extra)
+    out = tmp_path / "manifest"
+    subprocess.run([sys.executable, "-m", "dflash_staged", "plan", "--config", str(cfg), "--data", str(data),
+                    "--manifest", str(out), "--epochs", str(epochs), "--seed", str(seed)],
+                   check=True, capture_output=True, text=True, cwd=ROOT)
+    return out
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+             PYTHONUNBUFFERED="1")
+    return e
+
+
+def dflash(*args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def run_dflash(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def status(manifest: Path) -> dict:
+    r = run_dflash("status", "--manifest", manifest, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def sample_while(procs: list[subprocess.Popen], fn, period: float = 0.1, timeout: float = 300) -> list:
+    """Call fn() every `period` seconds while any process runs; return the samples."""
+    out, t0 = [], time.time()
+    while any(p.poll() is None for p in procs):
+        if time.time() - t0 > timeout:
+            for p in procs:
+                p.kill()
+            raise TimeoutError("pipeline did not finish in time")
+        try:
+            out.append(fn())
+        except Exception:  # noqa: BLE001 - a sample may race a rename; skip it
+            pass
+        time.sleep(period)
+    return out
