@@ -1,0 +1,248 @@
+"""Reference-format drafter checkpoints, target embedding/head loading, mask-token checks."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash_staged import weights as weights_mod
+from dflash_staged.config import Config, TargetConfig, load_config
+from dflash_staged.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.errors import DflashError
+from dflash_staged.tiny import MASK, build_tiny_model, build_tiny_tokenizer, save_tiny_model
+from dflash_staged.weights import (check_mask_absent, load_drafter, load_embed_and_head, read_drafter_config,
+                                   save_drafter, validate_mask_token)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_head():
+    return load_embed_and_head(TargetConfig(model="tiny:qwen3"))
+
+
+def tiny_drafter(tiny_head, dtype="float32", layers=2):
+    cfg = load_config("configs/tiny.toml")
+    cfg.drafter.dtype = dtype
+    cfg.drafter.num_hidden_layers = layers
+    dcfg = DraftModelConfig.from_config(cfg, target_hidden=128, target_vocab=2048, num_target_layers=6,
+                                        layer_ids=[1, 3], mask_token_id=MASK)
+    torch.manual_seed(0)
+    return DFlashDrafter(dcfg, *tiny_head)
+
+
+def reference_names(layers):
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(layers):
+        p = f"layers.{i}."
+        names |= {p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+        names |= {p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+    return names
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(50, 2, 128, generator=g), torch.randint(4, 2048, (50,), generator=g)
+
+
+def test_round_trip_gives_identical_logits(tmp_path, tiny_head):
+    m = tiny_drafter(tiny_head).eval()
+    save_drafter(m, tmp_path / "ckpt")
+    m2 = load_drafter(tmp_path / "ckpt", *tiny_head).eval()
+    hidden, ids = batch()
+    cu, anchors = torch.tensor([0, 20, 50]), torch.tensor([3, 11, 25, 40])
+    with torch.no_grad():
+        assert torch.equal(m.forward_train(hidden, ids, cu, anchors), m2.forward_train(hidden, ids, cu, anchors))
+        assert torch.equal(m.draft_block(hidden[:17], ids[17]), m2.draft_block(hidden[:17], ids[17]))
+    assert m2.dcfg == m.dcfg
+
+
+def test_checkpoint_matches_reference_format(tmp_path, tiny_head):
+    m = tiny_drafter(tiny_head, dtype="bfloat16", layers=3)
+    out = save_drafter(m, tmp_path / "ckpt")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 6 and cfg["num_hidden_layers"] == 3
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": MASK, "block_size": 8}
+    assert cfg["layer_types"] == ["full_attention"] * 3
+    assert cfg["dtype"] == "bfloat16" and cfg["vocab_size"] == 2048 and cfg["hidden_size"] == 128
+    assert cfg["rope_theta"] == 1e6 and cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
+    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "max_position_embeddings", "hidden_act"):
+        assert key in cfg
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert keys == reference_names(3)  # and so no embedding / LM head
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in keys)
+        assert f.get_slice("fc.weight").get_shape() == [128, 256]
+        torch.testing.assert_close(f.get_tensor("fc.weight"), m.fc.weight.detach().bfloat16())
+
+
+def test_transformers_reads_the_config(tmp_path, tiny_head):
+    from transformers import AutoConfig
+    save_drafter(tiny_drafter(tiny_head), tmp_path / "ckpt")
+    hf = AutoConfig.from_pretrained(tmp_path / "ckpt")
+    assert type(hf).__name__ == "Qwen3Config" and hf.architectures == ["DFlashDraftModel"]
+    assert hf.rope_parameters["rope_theta"] == 1e6 and hf.block_size == 8 and hf.num_target_layers == 6
+    assert hf.dflash_config["mask_token_id"] == MASK and hf.num_key_value_heads == 2 and hf.head_dim == 32
+
+
+def test_released_style_config_is_read(tmp_path):
+    released = {  # the shape of a transformers-5 era release (Qwen3.5 drafters)
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "torch_dtype": "bfloat16",
+        "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 500, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000}, "max_position_embeddings": 262144,
+        "num_target_layers": 32, "layer_types": ["full_attention", "full_attention"],
+        "dflash_config": {"block_size": 16, "mask_token_id": 499, "target_layer_ids": [1, 8, 15, 22, 29]},
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}}
+    c = DraftModelConfig.from_dict(released)
+    assert (c.block_size, c.rope_theta, c.dtype, c.mask_token_id) == (16, 1e7, "bfloat16", 499)
+    assert c.target_layer_ids == [1, 8, 15, 22, 29] and c.rope_scaling is None
+    assert c.to_dict()["auto_map"] == released["auto_map"]  # unknown keys survive a round trip
+    legacy = dict(released, rope_theta=1e6, rope_scaling={"type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 4096})
+    del legacy["rope_parameters"]
+    y = DraftModelConfig.from_dict(legacy)
+    assert y.rope_parameters == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                                 "rope_theta": 1e6}
+    g = torch.Generator().manual_seed(0)
+    m = DFlashDrafter(y, torch.randn(500, 64, generator=g), torch.randn(500, 64, generator=g))
+    assert m.rope_scale != 1.0  # yarn scales cos/sin
+    with pytest.raises(DflashError, match="sliding"):
+        DraftModelConfig.from_dict(dict(released, layer_types=["sliding_attention", "full_attention"]))
+    with pytest.raises(DflashError, match="not a DFlash drafter"):
+        DraftModelConfig.from_dict(dict(released, architectures=["Qwen3ForCausalLM"]))
+    with pytest.raises(DflashError, match="missing field 'vocab_size'"):
+        DraftModelConfig.from_dict({k: v for k, v in released.items() if k != "vocab_size"})
+
+
+def test_save_replaces_atomically_and_cleans_up(tmp_path, tiny_head, monkeypatch):
+    m = tiny_drafter(tiny_head)
+    target = tmp_path / "ckpt"
+    save_drafter(m, target)
+    before = (target / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        m.fc.weight.add_(1.0)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", boom)
+    with pytest.raises(OSError):
+        save_drafter(m, target)
+    assert (target / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp leftovers
+    monkeypatch.undo()
+    save_drafter(m, target)
+    assert (target / "model.safetensors").read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_load_errors_name_the_problem(tmp_path, tiny_head):
+    with pytest.raises(DflashError, match="cannot read the drafter config"):
+        read_drafter_config(tmp_path)
+    m = tiny_drafter(tiny_head)
+    save_drafter(m, tmp_path / "ckpt")
+    state = {k: v for k, v in m.state_dict().items() if k != "norm.weight"}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(DflashError, match="missing \\['norm.weight'\\]"):
+        load_drafter(tmp_path / "ckpt", *tiny_head)
+    with pytest.raises(DflashError, match="wrong target"):
+        load_drafter(tmp_path / "ckpt", torch.zeros(2048, 64), torch.zeros(2048, 64))
+
+
+def test_embed_and_head_from_tiny_and_local_dir(tmp_path, tiny_head):
+    model = build_tiny_model("qwen3")
+    embed, head = tiny_head
+    assert torch.equal(embed, model.model.embed_tokens.weight) and torch.equal(head, model.lm_head.weight)
+    assert not torch.equal(embed, head)
+    save_tiny_model(tmp_path / "tiny", "qwen3")
+    e2, h2 = load_embed_and_head(TargetConfig(model=str(tmp_path / "tiny")))
+    assert torch.equal(e2, embed) and torch.equal(h2, head)
+    e3, h3 = load_embed_and_head(TargetConfig(model=str(tmp_path / "tiny")), dtype=torch.bfloat16)
+    assert e3.dtype == h3.dtype == torch.bfloat16
+
+
+def test_tied_embeddings(tmp_path):
+    d = tmp_path / "tied"
+    d.mkdir()
+    w = torch.randn(100, 16)
+    save_file({"model.embed_tokens.weight": w, "model.norm.weight": torch.ones(16)}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    e, h = load_embed_and_head(TargetConfig(model=str(d)))
+    assert torch.equal(e, w) and h is e
+
+
+def test_multimodal_sharded_reads_only_needed_shards(tmp_path):
+    d = tmp_path / "qwen35"
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    e, h = torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)
+    save_file({"model.language_model.embed_tokens.weight": e}, str(d / "model-00001-of-00003.safetensors"))
+    save_file({"lm_head.weight": h}, str(d / "model-00003-of-00003.safetensors"))
+    (d / "model-00002-of-00003.safetensors").write_bytes(b"not really a safetensors file")
+    weight_map = {"model.language_model.embed_tokens.weight": "model-00001-of-00003.safetensors",
+                  "model.visual.blocks.0.attn.qkv.weight": "model-00002-of-00003.safetensors",
+                  "model.language_model.layers.0.mlp.up_proj.weight": "model-00002-of-00003.safetensors",
+                  "lm_head.weight": "model-00003-of-00003.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {"tie_word_embeddings": False},
+                                               "tie_word_embeddings": False}))
+    e2, h2 = load_embed_and_head(TargetConfig(model=str(d)))
+    assert torch.equal(e2, e) and torch.equal(h2, h)
+
+
+def test_gguf_embedding_and_head(tmp_path):
+    from gguf import GGUFWriter
+    g = np.random.default_rng(0)
+    e = g.standard_normal((40, 8)).astype(np.float32)
+    h = g.standard_normal((40, 8)).astype(np.float32)
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(str(path), "qwen3")
+    w.add_tensor("token_embd.weight", e)
+    w.add_tensor("output.weight", h)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    e2, h2 = load_embed_and_head(TargetConfig(model=str(tmp_path), gguf_file="m.gguf"))
+    assert torch.equal(e2, torch.from_numpy(e)) and torch.equal(h2, torch.from_numpy(h))
+
+
+def test_missing_local_or_offline_hub_target_is_a_user_error(tmp_path, monkeypatch):
+    with pytest.raises(DflashError, match="not a model directory"):
+        load_embed_and_head(TargetConfig(model=str(tmp_path / "nope")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(DflashError, match="cannot fetch"):
+        load_embed_and_head(TargetConfig(model="someone/not-cached-model"))
+
+
+def test_mask_token_validation():
+    tok = build_tiny_tokenizer()
+    n = len(tok)
+    assert n < 2048
+    assert validate_mask_token(-1, tok, 2048) == n  # the released drafters' choice: first unused row
+    assert validate_mask_token(2047, tok, 2048) == 2047
+    assert validate_mask_token(MASK, tok, 2048) == MASK  # a special token
+    with pytest.raises(DflashError, match="ordinary token"):
+        validate_mask_token(100, tok, 2048)
+    with pytest.raises(DflashError, match="outside"):
+        validate_mask_token(2048, tok, 2048)
+    with pytest.raises(DflashError, match="special token"):
+        validate_mask_token(-1, tok, n)  # tokenizer fills the vocabulary
+    check_mask_absent(torch.tensor([4, 5, 6]), MASK)
+    with pytest.raises(DflashError, match="contains the mask token"):
+        check_mask_absent(torch.tensor([4, MASK]), MASK, "shard 7")
