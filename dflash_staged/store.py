@@ -12,7 +12,7 @@ Layout (all metadata is standard zarr v3 ``zarr.json``)::
     STORE/shards/e{E}/j{J}/          group, one per job (a "shard"); attributes["dflash_shard"] =
                                      {format_version, epoch, job_id, num_tokens, num_samples,
                                      logical_dtype, compression, nbytes, checksum,
-                                     arrays: {name: {shape, dtype, file, stored_bytes, crc32c}}}
+                                     arrays: {name: {shape, dtype, file, stored_bytes, raw_bytes, xxh3}}}
         hidden/       [T, K, H]  the K tapped layers' hidden states, samples packed back to back
         input_ids/    [T] int32
         loss_mask/    [T] uint8 (0/1)
@@ -27,18 +27,21 @@ endian) and, if the store's compression is "zstd", ``zstd`` level 1. ``hidden`` 
 bfloat16), natively for "float16"/"float32"; every array carries the attribute
 ``logical_dtype``. Reading it back gives a tensor bit-identical to the one written.
 
-Integrity: ``arrays[name].crc32c`` is the CRC32C of the array's raw (uncompressed) little-endian
-bytes; ``checksum`` = ``"crc32c:%08x"`` of the five array CRCs packed big-endian in the order
-hidden, input_ids, loss_mask, cu_seqlens, sample_ids. ``nbytes`` is the total size of the chunk
+Integrity: ``arrays[name].xxh3`` is the XXH3-64 digest (16 hex digits) of the array's raw
+(uncompressed) little-endian bytes; ``checksum`` = ``"xxh3_64:"`` + the XXH3-64 digest of the
+five array digests as 8-byte big-endian values, concatenated in the order hidden, input_ids,
+loss_mask, cu_seqlens, sample_ids. ``nbytes`` is the total size of the chunk
 files. The manifest records (nbytes, checksum) when it marks a job ``written``; readers pass the
 checksum back as ``expected_checksum`` and get :class:`ShardCorruptError` if the shard was
 replaced. A missing shard raises :class:`ShardMissingError`, a short file
-:class:`ShardTruncatedError`, a CRC mismatch :class:`ShardCorruptError`; the manifest then sends
+:class:`ShardTruncatedError`, a digest mismatch :class:`ShardCorruptError`; the manifest then sends
 the job back to ``pending`` (never silently skipped or replaced).
 
 Atomicity: a shard is written in ``shards/e{E}/.tmp~j{J}~{pid}~{token}~{host}``, every file and
 directory fsynced, then renamed to ``j{J}`` and the epoch directory fsynced; a reader sees a
-complete shard or none. Deletion renames to ``.del~...`` first. The store itself is created in
+complete shard or none (``write_shard`` = ``stage_shard`` + ``commit_staged``; extract may do
+the two steps separately, committing under the manifest's lock). Deletion renames to
+``.del~...`` first. The store itself is created in
 ``.{name}.tmp~...`` next to it and renamed into place. Leftovers of dead writers (pid not alive
 on this host) are removed by :meth:`ShardStore.cleanup_temp`, which ``create_or_open`` runs.
 
@@ -51,8 +54,8 @@ Reading one shard with plain zarr and numpy::
     h32 = (h.astype(np.uint32) << 16).view(np.float32)          # exact bf16 -> float32
 
 The fast path here bypasses zarr's codec pipeline: it reads the group's ``zarr.json`` and then
-each chunk file straight into a preallocated torch tensor (one copy), computing the CRC on a
-helper thread while the next block is read.
+each chunk file straight into a preallocated torch tensor (one copy), 1 MiB at a time, taking
+each block's digest while it is still in the CPU cache.
 """
 
 from __future__ import annotations
@@ -61,16 +64,14 @@ import errno
 import json
 import os
 import shutil
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-import google_crc32c
 import torch
 
 from .errors import DflashError
-from .shardfiles import (ChunkError, array_json, bytes_view, chunk_file, crc, crc_executor, empty_tensor,
+from .shardfiles import (ChunkError, array_json, bytes_view, chunk_file, combine_hex, empty_tensor, hash_hex, new_hash,
                          fsync_dir, group_json, owner_dead, read_chunk, temp_name, write_file, write_json, zstd)
 
 FORMAT_VERSION = 1
@@ -352,7 +353,7 @@ class ShardStore:
         comp = self.meta.compression
         try:
             tmp.mkdir()
-            crcs, entries, nbytes = [], {}, 0
+            digests, entries, nbytes = [], {}, 0
             for name, t in arrays.items():
                 zdtype = self._hidden_zdtype if name == "hidden" else _SMALL[name][1]
                 view = bytes_view(t)
@@ -360,16 +361,21 @@ class ShardStore:
                 adir.mkdir()
                 write_json(adir / "zarr.json", array_json(t.shape, zdtype, comp, self.meta.logical_dtype
                                                             if name == "hidden" else zdtype))
-                crc_fut = crc_executor().submit(crc, view)  # CRC overlaps the write
                 fname = chunk_file(t.dim())
-                payload = zstd().encode(view) if comp == "zstd" and view.size else view
-                size = write_file(adir / fname, payload) if view.size else 0
+                if not view.size:
+                    size, digest = 0, hash_hex(view)
+                elif comp == "zstd":
+                    size, digest = write_file(adir / fname, zstd().encode(view)), hash_hex(view)
+                else:
+                    hasher = new_hash()
+                    size = write_file(adir / fname, view, hasher)
+                    digest = hasher.hexdigest()
                 fsync_dir(adir)
-                crcs.append(crc_fut.result())
+                digests.append(digest)
                 nbytes += size
                 entries[name] = {"shape": list(t.shape), "dtype": zdtype, "file": f"{name}/{fname}",
-                                 "stored_bytes": size, "raw_bytes": int(view.size), "crc32c": crcs[-1]}
-            checksum = "crc32c:%08x" % google_crc32c.value(struct.pack(">5I", *crcs))
+                                 "stored_bytes": size, "raw_bytes": int(view.size), "xxh3": digest}
+            checksum = "xxh3_64:" + combine_hex(digests)
             attrs = {"format_version": FORMAT_VERSION, "epoch": int(epoch), "job_id": int(job_id),
                      "num_tokens": int(arrays["hidden"].shape[0]),
                      "num_samples": int(arrays["sample_ids"].shape[0]),
@@ -410,7 +416,7 @@ class ShardStore:
 
     def read_shard(self, epoch: int, job_id: int, expected_checksum: str | None = None,
                    verify: bool = True) -> Shard:
-        """Read one shard into CPU tensors; with ``verify`` check every array's CRC32C."""
+        """Read one shard into CPU tensors; with ``verify`` check every array's digest."""
         d = self.shard_path(epoch, job_id)
         attrs = self.read_attrs(epoch, job_id)
         if expected_checksum is not None and attrs["checksum"] != expected_checksum:
@@ -429,9 +435,9 @@ class ShardStore:
             except ChunkError as err:
                 cls = ShardTruncatedError if err.truncated else ShardCorruptError
                 raise cls(f"shard file {d / e['file']}: {err}; re-extract the job") from None
-            if verify and got != e["crc32c"]:
-                raise ShardCorruptError(f"shard {d}: {name} fails its CRC32C check (stored {e['crc32c']:#010x}, "
-                                        f"read {got:#010x}): the data is corrupt; re-extract the job")
+            if verify and got != e["xxh3"]:
+                raise ShardCorruptError(f"shard {d}: {name} fails its checksum (stored xxh3 {e['xxh3']}, "
+                                        f"read {got}): the data is corrupt; re-extract the job")
             out[name] = t
         return Shard(int(epoch), int(job_id), out["hidden"], out["input_ids"], out["loss_mask"].view(torch.bool),
                      out["cu_seqlens"], out["sample_ids"], int(attrs["nbytes"]))
