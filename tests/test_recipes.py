@@ -1,0 +1,77 @@
+"""The GPU recipes load and validate on CPU; tokenizer checks run only where the model is local."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_staged.config import dflash_target_layers, load_config
+from dflash_staged.draft_config import DraftModelConfig
+from dflash_staged.layout import disk_requirements
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# recipe -> (target layers, hidden, vocab, expected drafter geometry, mask id, hidden bytes per token)
+RECIPES = {
+    "qwen3-8b.toml": (36, 4096, 151936, dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                                             head_dim=128, intermediate_size=12288, rope_theta=1e6), 151669, 40_960),
+    "qwen3.5-27b.toml": (64, 5120, 248320, dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                                                head_dim=128, intermediate_size=17408, rope_theta=1e7), 248070, 51_200),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_loads_and_builds_the_drafter_config(name):
+    layers, hidden, vocab, geometry, mask_id, hidden_bytes = RECIPES[name]
+    cfg = load_config(ROOT / "configs" / name)
+    ids = cfg.target.target_layer_ids
+    assert ids == dflash_target_layers(layers, cfg.drafter.num_hidden_layers)  # explicit = the DFlash rule
+    assert cfg.target.dtype == "auto" and cfg.drafter.block_size == 16 and cfg.drafter.mask_token_id == mask_id
+    t = cfg.train
+    assert (t.lr, t.warmup_ratio, t.gamma, t.num_anchors) == (6e-4, 0.04, 7.0, 512)
+    assert 3072 <= cfg.data.max_len <= 4096
+    d = DraftModelConfig.from_config(cfg, hidden, vocab, layers, ids, mask_id)
+    assert {k: getattr(d, k) for k in geometry} == geometry
+    assert len(d.target_layer_ids) * hidden * 2 == hidden_bytes
+    assert d.to_dict()["dflash_config"] == {"block_size": 16, "mask_token_id": mask_id, "target_layer_ids": ids}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_window_fits_its_trainer_and_disk_numbers(name):
+    from dflash_staged.extract import window_check
+    cfg = load_config(ROOT / "configs" / name)
+    err, warn = window_check(cfg, cfg.extract.window, workers=4, ranks=4)  # the 4 + 4 GPU layout of the docs
+    assert err is None and warn is None
+    layers, hidden, *_ , hidden_bytes = RECIPES[name]
+    d, lines = disk_requirements(ROOT / "configs" / name, 4, 8000, None, None, None)
+    assert d["hidden"] == hidden and d["bytes_per_token"] == hidden_bytes + 5
+    assert d["store_Bps"] == pytest.approx(2 * 8000 * 4 * (hidden_bytes + 5))
+    if name == "qwen3-8b.toml":
+        assert 2.5e9 < d["store_Bps"] < 3.2e9  # "Qwen3-8B on 4 target GPUs: roughly 3 GB/s"
+
+
+def _local_model(model: str) -> str | None:
+    """A local directory or cached hub snapshot holding the tokenizer, else None (nothing is downloaded)."""
+    if (Path(model) / "tokenizer_config.json").is_file():
+        return model
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        hit = try_to_load_from_cache(model, "tokenizer_config.json")
+    except Exception:  # noqa: BLE001
+        return None
+    return str(Path(hit).parent) if isinstance(hit, str) else None
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_mask_token_against_the_tokenizer(name):
+    cfg = load_config(ROOT / "configs" / name)
+    local = _local_model(cfg.target.model)
+    if local is None:
+        pytest.skip(f"{cfg.target.model} is not on local disk")
+    from transformers import AutoTokenizer
+    from dflash_staged.weights import validate_mask_token
+    tok = AutoTokenizer.from_pretrained(local)
+    vocab = RECIPES[name][2]
+    assert validate_mask_token(cfg.drafter.mask_token_id, tok, vocab) == cfg.drafter.mask_token_id
+    assert cfg.drafter.mask_token_id >= len(tok)  # an unused embedding row: the data can never contain it
