@@ -9,8 +9,11 @@ Contract:
   the reference names (``layers.{i}.self_attn.q_proj.weight``, ..., ``fc.weight``,
   ``hidden_norm.weight``, ``norm.weight``), in the dtype ``config.json`` declares
   (transformers casts to that dtype on load, so anything else would change the
-  weights). No target embedding or LM head is stored. Such a directory loads with
-  the reference ``dflash`` package, SGLang and vLLM.
+  weights). No target embedding or LM head is stored. The reference class
+  (z-lab ``dflash.model.DFlashDraftModel.from_pretrained``) loads it and agrees
+  (``tests/test_drafter_reference.py``); SGLang and vLLM read the same fields.
+  There is no ``auto_map``/``dflash.py`` (that code is the reference's, not ours),
+  so ``AutoModel(..., trust_remote_code=True)`` needs that file copied in.
 * :func:`save_drafter` writes into a temporary sibling, fsyncs the files and the
   directory, then renames it into place; an existing checkpoint of the same name
   is replaced only after the new one is complete.
