@@ -33,7 +33,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .errors import DflashError
 

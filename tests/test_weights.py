@@ -8,8 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_staged import weights as weights_mod
-from dflash_staged.config import Config, TargetConfig, load_config
+from dflash_staged.config import TargetConfig, load_config
 from dflash_staged.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.errors import DflashError
 from dflash_staged.tiny import MASK, build_tiny_model, build_tiny_tokenizer, save_tiny_model
@@ -246,3 +245,24 @@ def test_mask_token_validation():
     check_mask_absent(torch.tensor([4, 5, 6]), MASK)
     with pytest.raises(DflashError, match="contains the mask token"):
         check_mask_absent(torch.tensor([4, MASK]), MASK, "shard 7")
+
+
+def test_bf16_checkpoint_and_bf16_inputs(tmp_path, tiny_head):
+    from dflash_staged.objective import dflash_loss
+    m = tiny_drafter(tiny_head, dtype="bfloat16").eval()
+    save_drafter(m, tmp_path / "ckpt")
+    e16, h16 = (t.bfloat16() for t in tiny_head)
+    m16 = load_drafter(tmp_path / "ckpt", e16, h16, dtype=None).eval()  # as config.json declares
+    assert {p.dtype for p in m16.parameters()} == {torch.bfloat16}
+    m32 = load_drafter(tmp_path / "ckpt", e16, h16).eval()  # fp32 params, bf16 frozen tensors and features
+    assert {p.dtype for p in m32.parameters()} == {torch.float32} and m32.lm_head_weight.dtype == torch.bfloat16
+    hidden, ids = batch()
+    hidden = hidden.bfloat16()
+    with torch.no_grad():
+        a, b = m16.draft_block(hidden[:30], ids[30]).float(), m32.draft_block(hidden[:30], ids[30]).float()
+        ref = m.draft_block(hidden[:30].float(), ids[30])
+    assert (a - ref).abs().max() < 0.05 * ref.abs().max() and (b - ref).abs().max() < 0.05 * ref.abs().max()
+    b_ = {"hidden": hidden, "input_ids": ids, "loss_mask": torch.ones(50), "cu_seqlens": torch.tensor([0, 50])}
+    loss, _ = dflash_loss(m32, b_, 8, 4.0, torch.Generator().manual_seed(0))
+    loss.backward()
+    assert torch.isfinite(loss) and m32.fc.weight.grad is not None
