@@ -1,0 +1,481 @@
+"""Everything around the training loop: options, distributed setup, the model and optimizer,
+resume from a checkpoint, consumption bookkeeping, checkpoint + release, metrics.
+
+:func:`build_run` returns a :class:`Run` that :func:`dflash_staged.train.train_loop` drives.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .buffer import ShardBuffer
+from .config import REPLAY_OVERRIDABLE, Config, apply_overrides
+from .errors import DflashError
+from .manifest import Manifest
+from .sources import LiveSource, ReplaySource
+
+STORE_WAIT_POLL_S = 0.5
+
+
+@dataclass
+class TrainOptions:
+    manifest: Path
+    store: Path
+    out: Path
+    replay: bool = False
+    keep_shards: bool = False
+    order_from: Path | None = None
+    passes: int = 1
+    overrides: dict = field(default_factory=dict)  # {section: {key: value}}
+    device: str | None = None
+    verify: bool = True
+    max_steps: int | None = None
+    tensorboard: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- distributed
+class Dist:
+    """torch.distributed when launched by torchrun (WORLD_SIZE > 1), else a no-op single rank."""
+
+    def __init__(self, device: torch.device):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.enabled = self.world > 1
+        if self.enabled:
+            import torch.distributed as td
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            td.init_process_group(backend)
+            self.td = td
+        self.device = device
+        self.group_id = os.environ.get("TORCHELASTIC_RUN_ID") or \
+            (f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if self.enabled else uuid.uuid4().hex)
+
+    def any(self, flag: bool) -> bool:
+        return self.sum_int(int(flag)) > 0
+
+    def sum_int(self, n: int) -> int:
+        if not self.enabled:
+            return n
+        t = torch.tensor([n], dtype=torch.long, device=self._comm_device())
+        self.td.all_reduce(t)
+        return int(t.item())
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def all_reduce_(self, tensors: list[torch.Tensor]) -> None:
+        if not self.enabled or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors]).to(self._comm_device())
+        self.td.all_reduce(flat)
+        off = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[off:off + n].view_as(t).to(t.device, t.dtype))
+            off += n
+
+    def gather_jobs(self, items: list) -> list:
+        if not self.enabled:
+            return list(items)
+        out: list[Any] = [None] * self.world
+        self.td.all_gather_object(out, items)
+        return [x for part in out for x in part]
+
+    def gather_obj(self, obj) -> list:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self.td.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            self.td.barrier()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.td.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- progress
+class Progress:
+    """One status line on stderr: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool, start: int = 0):
+        self.enabled = enabled
+        self.bar = None
+        self.last = 0.0
+        self.total = total
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr)
+
+    def waiting(self, ready: int, need: int) -> None:
+        self._say(f"waiting for shards: {ready}/{need} ready", force=False)
+
+    def step(self, step: int, loss, tok_s: float, buf: int, cap: int) -> None:
+        msg = f"loss {loss:.4f}" if loss is not None else "loss -"
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(f"{msg} | {tok_s:,.0f} tok/s | buffer {buf}/{cap}")
+        else:
+            self._say(f"step {step}/{self.total} | {msg} | {tok_s:,.0f} tok/s | buffer {buf}/{cap}", force=False)
+
+    def _say(self, text: str, force: bool) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_description_str(text if text.startswith("waiting") else "train")
+            self.bar.refresh()
+            return
+        if force or time.time() - self.last > 2.0:
+            print(f"train: {text}", file=sys.stderr, flush=True)
+            self.last = time.time()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _gen_state(g: torch.Generator) -> str:
+    return base64.b64encode(g.get_state().numpy().tobytes()).decode()
+
+
+def _set_gen_state(g: torch.Generator, s: str) -> None:
+    g.set_state(torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8))
+
+
+def target_dims(target_cfg) -> tuple[int, int, int]:
+    """(num_layers, hidden_size, vocab_size) of the target, from its config only."""
+    if target_cfg.model.startswith("tiny:"):
+        from .tiny import tiny_config
+        c = tiny_config(target_cfg.model.split(":", 1)[1])
+    else:
+        from transformers import AutoConfig
+        kw = {"gguf_file": target_cfg.gguf_file} if target_cfg.gguf_file else {}
+        try:
+            c = AutoConfig.from_pretrained(target_cfg.model, **kw)
+        except (OSError, ValueError) as e:
+            raise DflashError(f"cannot read the target config of {target_cfg.model!r}: {e}") from None
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    return c.num_hidden_layers, c.hidden_size, c.vocab_size
+
+
+# ---------------------------------------------------------------------------------------------- the run
+class Run:
+    """The model, optimizer, data source and bookkeeping of one training run (one rank)."""
+
+    def __init__(self, opts: TrainOptions, cfg: Config, dist: Dist, device: torch.device, m: Manifest, store,
+                 drafter, source, buffer: ShardBuffer, total_steps: int):
+        from .objective import dflash_loss
+        self.opts, self.cfg, self.dist, self.device = opts, cfg, dist, device
+        self.m, self.store, self.drafter, self.source, self.buffer = m, store, drafter, source, buffer
+        self.total_steps = total_steps
+        self.params = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+        self.names = {p: n for n, p in self.params.items()}
+        t = cfg.train
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=tuple(t.betas),
+                                     weight_decay=t.weight_decay, eps=1e-8)
+        self.draw_gen = torch.Generator().manual_seed(t.seed * 1_000_003 + 17 + dist.rank)
+        self.anchor_gen = torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + 101 + dist.rank)
+        self._dflash_loss = dflash_loss
+        self.step = 0
+        self.ckpt_step = 0
+        self.consumed: dict[int, list] = {}
+        self.metrics_path = opts.out / "metrics.jsonl"
+        self.progress = Progress(total_steps, enabled=dist.rank == 0)
+        self._tb = None
+
+    # -- numerics --------------------------------------------------------------------------------
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def noise_std(self) -> float:
+        from .objective import noise_std_at
+        t = self.cfg.train
+        return noise_std_at(self.step, self.total_steps, t.noise_std, t.noise_schedule)
+
+    def loss_fn(self, mb: dict, noise: float):
+        t = self.cfg.train
+        return self._dflash_loss(self.drafter, mb, t.num_anchors, t.gamma, self.anchor_gen, noise, t.loss_chunk)
+
+    def zero_stats(self) -> dict:
+        B = self.drafter.block_size
+        z = torch.zeros(B - 1, dtype=torch.float64, device=self.device)
+        return {"correct": z.clone(), "total": z.clone(), "loss_sum": torch.zeros((), dtype=torch.float64,
+                device=self.device), "weight_sum": torch.zeros((), dtype=torch.float64, device=self.device)}
+
+    @staticmethod
+    def add_stats(acc: dict, st: dict) -> None:
+        for k in acc:
+            acc[k] += st[k].detach().to(acc[k].dtype)
+
+    def optimizer_step(self, lr: float) -> None:
+        params = list(self.params.values())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.dist.all_reduce_([p.grad for p in params])
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def mark_consumed(self, jobs: list) -> None:
+        """Record what step self.step consumed; live rank 0 marks the jobs consumed in the manifest."""
+        self.consumed[self.step] = [list(j) for j in jobs]
+        if isinstance(self.source, LiveSource) and self.dist.rank == 0:
+            self.m.consume([j[0] for j in jobs], self.step, {j[0]: j[1] for j in jobs})
+
+    def would_wait(self) -> bool:
+        self.source.fill(self.buffer)
+        return len(self.buffer) < self.cfg.train.min_ready and not self.source.finished()
+
+    def holds_unreleased(self) -> bool:
+        return isinstance(self.source, LiveSource) and self.step > self.ckpt_step
+
+    def log_step(self, jobs: list, stats: dict, lr: float, wait_s: float, step_s: float, choices: int) -> None:
+        from .objective import acceptance_metrics, per_offset_accuracy
+        sync = self.device.type != "cuda" or self.step % self.cfg.train.log_every == 0
+        loss = acc = tau = None
+        if sync:
+            vals = [stats["correct"], stats["total"], stats["loss_sum"].reshape(1), stats["weight_sum"].reshape(1)]
+            self.dist.all_reduce_(vals)
+            loss = float(stats["loss_sum"] / stats["weight_sum"].clamp_min(1e-12))
+            acc, tau = acceptance_metrics(per_offset_accuracy(stats["correct"], stats["total"]))
+        if self.dist.rank != 0:
+            return
+        tokens = sum(j[2] for j in jobs)
+        line = {"step": self.step, "loss": loss, "lr": lr, "acc": acc, "tau": tau, "tokens": tokens,
+                "jobs": [j[0] for j in jobs], "ranks": [j[1] for j in jobs], "buckets": [j[3] for j in jobs],
+                "lengths": [round(j[4], 1) for j in jobs], "data_wait_s": round(wait_s, 4),
+                "step_s": round(step_s, 4), "buffer": len(self.buffer), "bucket_choices": choices}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if self._tb is not None and loss is not None:
+            self._tb.add_scalar("loss", loss, self.step)
+            self._tb.add_scalar("tau", tau, self.step)
+            self._tb.add_scalar("lr", lr, self.step)
+        self.progress.step(self.step, loss, tokens / max(step_s, 1e-9), len(self.buffer), self.buffer.capacity)
+
+    def close(self) -> None:
+        self.buffer.close()
+        if not self.opts.replay:
+            for p in self.m.live_procs("train"):
+                if p["pid"] == os.getpid():
+                    self.m.unregister(p["id"])
+        if self._tb is not None:
+            self._tb.close()
+        self.dist.close()
+
+    # -- checkpoint + release ----------------------------------------------------------------------
+    def checkpoint_and_release(self) -> None:
+        """Save a checkpoint covering every completed step, then delete (or keep) the shards it covers."""
+        if self.step == self.ckpt_step:
+            return
+        buffers = self.dist.gather_obj(self.buffer.job_ids())
+        gens = self.dist.gather_obj({"draw": _gen_state(self.draw_gen), "anchor": _gen_state(self.anchor_gen)})
+        if self.dist.rank == 0:
+            tensors = {f"master.{n}": p.detach().float() for n, p in self.params.items()}
+            opt_t, opt_steps = ckpt.optimizer_tensors(self.opt, self.names)
+            tensors.update(opt_t)
+            state = {"step": self.step, "total_steps": self.total_steps, "manifest_id": self.m.manifest_id,
+                     "mode": "replay" if self.opts.replay else "live", "opt_steps": opt_steps,
+                     "consumed": {str(s): v for s, v in sorted(self.consumed.items())},
+                     "buffer": buffers, "generators": gens, "world": self.dist.world,
+                     "replay_pos": getattr(self.source, "pos", None), "config": self.cfg.to_dict(),
+                     "drafter_config": self.drafter.dcfg.to_dict(), "time": time.time()}
+            from .weights import drafter_state_dict
+            from safetensors.torch import save_file
+
+            def write_drafter(d: Path) -> None:
+                dc = self.drafter.dcfg
+                (d / "config.json").write_text(dc.to_json())
+                dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dc.dtype]
+                save_file(drafter_state_dict(self.drafter, dt), str(d / "model.safetensors"),
+                          metadata={"format": "pt"})
+
+            ckpt.save_checkpoint(self.opts.out, self.step, write_drafter=write_drafter, tensors=tensors,
+                                 state=state, keep=self.cfg.train.keep_checkpoints)
+        self.ckpt_step = self.step
+        self.dist.barrier()
+        if self.dist.rank == 0 and isinstance(self.source, LiveSource):
+            self.release_covered([j.id for j in self.m.jobs("consumed") if j.step is not None and j.step <= self.step])
+
+    def release_covered(self, job_ids: list[int]) -> None:
+        """Shards of consumed jobs covered by a durable checkpoint: delete then mark released (or keep)."""
+        if not job_ids:
+            return
+        if not self.opts.keep_shards:
+            for i in job_ids:
+                j = self.m.job(i)
+                self.store.delete_shard(j.epoch, j.id)
+        self.m.release(job_ids, keep=self.opts.keep_shards)
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def _wait_for_store(opts: TrainOptions, m: Manifest, progress: Progress):
+    from .store import ShardStore
+    said = False
+    while not ShardStore.exists(opts.store):
+        if opts.replay:
+            raise DflashError(f"replay: no store at {opts.store}; give the store the live run kept (--store)")
+        if m.extract_done() and not m.counts()["written"]:
+            raise DflashError(f"no store at {opts.store} although {m.dir} has nothing left to extract; "
+                              "check --store (it must be the path given to `dflash extract`)")
+        if not said:
+            print(f"train: waiting for the store at {opts.store} (start `dflash extract --manifest {m.dir} "
+                  f"--store {opts.store}`)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(STORE_WAIT_POLL_S)
+    return ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})
+
+
+def _load_order(path: Path) -> dict[int, list[int]]:
+    latest = ckpt.latest_checkpoint(path)
+    if latest is None:
+        raise DflashError(f"--order-from {path}: no checkpoint there to read the draw order from")
+    _, state = ckpt.load_checkpoint(latest)
+    return {int(s): [int(j[0]) for j in items] for s, items in state["consumed"].items()}
+
+
+def _rewrite_metrics(path: Path, upto: int) -> None:
+    """Keep only complete lines with step <= upto, atomically."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= upto:
+            keep.append(line)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build_run(opts: TrainOptions) -> Run:
+    from .drafter import DFlashDrafter, DraftModelConfig
+    from .target import load_tokenizer
+    from .weights import load_embed_and_head, validate_mask_token
+
+    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist = Dist(device)
+    m = Manifest.open(opts.manifest, readonly=opts.replay)
+    cfg = m.config
+    if opts.overrides:
+        allowed = REPLAY_OVERRIDABLE if opts.replay else {"train": REPLAY_OVERRIDABLE["train"]}
+        cfg = apply_overrides(cfg, opts.overrides, allowed, "train --replay" if opts.replay else "train")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    ckpt.cleanup_tmp(opts.out)
+    trainer_id = f"{dist.group_id}"
+    if not opts.replay:
+        m.register("train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)})
+    store = _wait_for_store(opts, m, Progress(0, False))
+    layer_ids = list(store.meta.layer_ids)
+    num_layers, hidden, vocab = target_dims(cfg.target)
+    if store.meta.hidden_size != hidden:
+        raise DflashError(f"store {opts.store} holds hidden size {store.meta.hidden_size} but the target "
+                          f"{cfg.target.model} has {hidden}; use the store extracted from this target")
+    embed_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed, head = load_embed_and_head(cfg.target, dtype=embed_dtype, device=device)
+    mask_id = validate_mask_token(cfg.drafter.mask_token_id, load_tokenizer(cfg.target), vocab)
+    dcfg = DraftModelConfig.from_config(cfg, hidden, vocab, num_layers, layer_ids, mask_id)
+    torch.manual_seed(cfg.train.seed)
+    drafter = DFlashDrafter(dcfg, embed, head).to(device)
+
+    world_steps = cfg.train.grad_accum * dist.world
+    if opts.replay:
+        order = _load_order(opts.order_from) if opts.order_from else None
+        source = ReplaySource(m, store, passes=opts.passes, order=order)
+        total = len(order) if order else -(-len(source.sequence) // world_steps)
+    else:
+        source = LiveSource(m, store, trainer_id, dist.rank)
+        total = -(-sum(m.counts().values()) // world_steps)
+    if opts.max_steps:
+        total = min(total, opts.max_steps) if opts.replay else total
+    buffer = ShardBuffer(store, cfg.train.buffer_capacity, verify=opts.verify)
+    run = Run(opts, cfg, dist, device, m, store, drafter, source, buffer, total)
+    _resume(run)
+    if opts.tensorboard and dist.rank == 0:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            run._tb = SummaryWriter(str(opts.out / "tensorboard"))
+        except ImportError:
+            raise DflashError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return run
+
+
+def _resume(run: Run) -> None:
+    """Restore the newest checkpoint (if any) and reconcile the manifest with it."""
+    opts, m, dist = run.opts, run.m, run.dist
+    latest = ckpt.latest_checkpoint(opts.out)
+    covered: dict[int, int] = {}
+    if latest is None:
+        if not opts.replay:
+            c = m.counts()
+            if c["released"] or c["kept"]:
+                raise DflashError(f"{m.dir} was already partly trained ({c['released'] + c['kept']} shards consumed "
+                                  f"and released) by a run whose checkpoints are not in {opts.out}; rerun with that "
+                                  "run's --out to resume it, or plan a new manifest")
+        state = None
+    else:
+        tensors, state = ckpt.load_checkpoint(latest)
+        if state["manifest_id"] != m.manifest_id:
+            raise DflashError(f"checkpoint {latest} belongs to manifest {state['manifest_id']}, not {m.dir} "
+                              f"({m.manifest_id}); use a new --out for this manifest")
+        have = state["drafter_config"]
+        want = run.drafter.dcfg.to_dict()
+        diffs = [f"{k}: {have.get(k)!r} -> {want.get(k)!r}" for k in sorted(set(have) | set(want))
+                 if have.get(k) != want.get(k) and k not in ("dtype", "torch_dtype")]
+        if diffs:
+            raise DflashError(f"checkpoint {latest} was trained with another drafter config ({'; '.join(diffs[:6])}); "
+                              "use a new --out for this config")
+        if state.get("world", 1) != dist.world:
+            raise DflashError(f"checkpoint {latest} was written by {state.get('world', 1)} rank(s), this run has "
+                              f"{dist.world}; resume with the same number of trainer ranks")
+        with torch.no_grad():
+            for n, p in run.params.items():
+                p.copy_(tensors[f"master.{n}"].to(p.device, p.dtype))
+        ckpt.restore_optimizer(run.opt, run.names, tensors, state["opt_steps"])
+        run.step = run.ckpt_step = int(state["step"])
+        run.consumed = {int(s): v for s, v in state["consumed"].items()}
+        g = state["generators"][dist.rank]
+        _set_gen_state(run.draw_gen, g["draw"])
+        _set_gen_state(run.anchor_gen, g["anchor"])
+        if opts.replay and state.get("replay_pos") is not None:
+            run.source.pos = int(state["replay_pos"])
+        covered = ckpt.consumed_jobs(state)
+    if not opts.replay and dist.rank == 0:
+        to_release = m.resume_trainer(covered)
+        run.release_covered(to_release)
+    dist.barrier()
+    if state is not None:
+        run.source.admit_ids(run.buffer, [int(i) for i in state["buffer"][dist.rank]])
+    if dist.rank == 0:
+        _rewrite_metrics(run.metrics_path, run.step)
+    run.progress.total = run.total_steps

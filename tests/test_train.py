@@ -1,0 +1,163 @@
+"""dflash train: side by side with extract, drain, kill -9 + resume, replay determinism, DDP."""
+
+import json
+import shutil
+import signal
+import time
+
+import pytest
+
+from dflash_staged.checkpoint import consumed_jobs, latest_checkpoint, load_checkpoint
+from dflash_staged.manifest import Manifest
+from pipeline_helpers import dflash, plan, run_dflash, sample_while, status
+
+EXTRA = "[data]\ntoken_budget = 512\n"
+
+
+def metrics(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_consumed(run):
+    _, state = load_checkpoint(latest_checkpoint(run))
+    return state, consumed_jobs(state)
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory):
+    """One manifest (2 epochs) extracted to completion; tests copy it before mutating."""
+    d = tmp_path_factory.mktemp("extracted")
+    mdir = plan(d, n=24, epochs=2, extra=EXTRA)
+    r = run_dflash("extract", "--manifest", mdir, "--store", d / "store", "--devices", "cpu,cpu", "--window", "64")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d
+
+
+def copy_of(extracted, tmp_path):
+    shutil.copytree(extracted / "manifest", tmp_path / "manifest")
+    shutil.copytree(extracted / "store", tmp_path / "store")
+    return tmp_path / "manifest", tmp_path / "store"
+
+
+@pytest.fixture(scope="module")
+def kept(extracted, tmp_path_factory):
+    """A live run with --keep-shards over the extracted manifest: the source of replays."""
+    d = tmp_path_factory.mktemp("kept")
+    mdir, store = copy_of(extracted, d)
+    r = run_dflash("train", "--manifest", mdir, "--store", store, "--out", d / "live", "--keep-shards")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d
+
+
+def test_side_by_side(tmp_path):
+    mdir = plan(tmp_path, n=40, epochs=1, extra=EXTRA)
+    store, run = tmp_path / "store", tmp_path / "run"
+    ex = dflash("extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--window", "16")
+    tr = dflash("train", "--manifest", mdir, "--store", store, "--out", run)
+    m = Manifest.open(mdir, readonly=True)
+    windows = sample_while([ex, tr], lambda: m.window()["shards"], period=0.05)
+    out_ex, out_tr = ex.communicate()[0], tr.communicate()[0]
+    assert ex.returncode == 0, out_ex
+    assert tr.returncode == 0, out_tr
+    assert windows and max(windows) <= 16
+    st = status(mdir)
+    assert st["extract_done"] and st["jobs"]["released"] == st["total_jobs"]
+    assert not list(store.glob("shards/e*/j*"))
+    lines = metrics(run)
+    assert [x["step"] for x in lines] == list(range(1, len(lines) + 1))
+    _, covered = final_consumed(run)
+    assert sorted(covered) == sorted(j.id for j in m.jobs())
+    for x in lines:
+        if x["bucket_choices"] >= 2 and len(x["jobs"]) >= 2:
+            assert len(set(x["buckets"])) >= 2, x
+    assert any(len(set(x["buckets"])) >= 2 for x in lines)
+
+
+def test_drain_with_fewer_than_min_ready(tmp_path):
+    # 3 samples -> few jobs, min_ready 4: extraction ends with fewer than N shards; train drains, exits 0
+    mdir = plan(tmp_path, n=3, extra=EXTRA + "[train]\nmin_ready = 4\nbuffer_capacity = 4\n")
+    store = tmp_path / "store"
+    assert run_dflash("extract", "--manifest", mdir, "--store", store, "--devices", "cpu").returncode == 0
+    m = Manifest.open(mdir, readonly=True)
+    assert m.counts()["written"] < 4
+    r = run_dflash("train", "--manifest", mdir, "--store", store, "--out", tmp_path / "run", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert status(mdir)["jobs"]["released"] == sum(m.counts().values())
+
+
+def test_kill9_trainer_and_resume_exactly_once(extracted, tmp_path):
+    mdir, store = copy_of(extracted, tmp_path)
+    run = tmp_path / "run"
+    tr = dflash("train", "--manifest", mdir, "--store", store, "--out", run)
+    t0 = time.time()
+    while time.time() - t0 < 120 and tr.poll() is None:
+        ck = latest_checkpoint(run)
+        if ck is not None and (run / "metrics.jsonl").exists() and len(metrics(run)) > int(ck.name[5:]):
+            break  # past a checkpoint, mid-interval: consumed-but-unreleased shards exist
+        time.sleep(0.02)
+    tr.send_signal(signal.SIGKILL)
+    tr.wait()
+    m = Manifest.open(mdir, readonly=True)
+    assert 0 < m.counts()["released"] < sum(m.counts().values())
+    r = run_dflash("train", "--manifest", mdir, "--store", store, "--out", run)
+    assert r.returncode == 0, r.stdout + r.stderr
+    state, covered = final_consumed(run)
+    ids = [int(j[0]) for items in state["consumed"].values() for j in items]
+    assert sorted(ids) == sorted(j.id for j in m.jobs())  # every job exactly once
+    lines = metrics(run)
+    assert [x["step"] for x in lines] == list(range(1, state["step"] + 1))
+    assert sorted(j for x in lines for j in x["jobs"]) == sorted(ids)
+    assert status(mdir)["jobs"]["released"] == len(ids)
+    # a rerun with nothing to do appends nothing
+    before = (run / "metrics.jsonl").read_text()
+    assert run_dflash("train", "--manifest", mdir, "--store", store, "--out", run).returncode == 0
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_replay_is_deterministic_and_resumes_equal(kept, tmp_path):
+    args = ("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store")
+    a = run_dflash(*args, "--out", tmp_path / "a")
+    b = run_dflash(*args, "--out", tmp_path / "b")
+    assert a.returncode == 0 and b.returncode == 0, a.stdout + a.stderr
+    la, lb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert len(la) >= 4
+    assert [x["loss"] for x in la] == [x["loss"] for x in lb]
+    assert [x["jobs"] for x in la] == [x["jobs"] for x in lb]
+    # interrupted at step 2 and resumed: the same draws and losses as the uninterrupted run
+    c1 = run_dflash(*args, "--out", tmp_path / "c", "--max-steps", "2")
+    assert c1.returncode == 0, c1.stdout + c1.stderr
+    c2 = run_dflash(*args, "--out", tmp_path / "c")
+    assert c2.returncode == 0, c2.stdout + c2.stderr
+    lc = metrics(tmp_path / "c")
+    assert [x["jobs"] for x in lc] == [x["jobs"] for x in la]
+    assert [x["loss"] for x in lc] == [x["loss"] for x in la]
+    # the kept manifest was not modified by the replays
+    assert status(kept / "manifest")["jobs"]["kept"] == status(kept / "manifest")["total_jobs"]
+
+
+def test_replay_order_from_and_overrides(kept, tmp_path):
+    live = metrics(kept / "live")
+    r = run_dflash("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store",
+                   "--out", tmp_path / "o", "--order-from", kept / "live", "--set", "train.lr=1e-3",
+                   "--set", "drafter.block_size=4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [x["jobs"] for x in metrics(tmp_path / "o")] == [x["jobs"] for x in live]
+    cfg = json.loads((latest_checkpoint(tmp_path / "o") / "config.json").read_text())
+    assert cfg["block_size"] == 4
+    bad = run_dflash("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store",
+                     "--out", tmp_path / "p", "--set", "target.target_layer_ids=[1]")
+    assert bad.returncode == 1 and "cannot be changed" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_ddp_two_ranks_gloo(extracted, tmp_path):
+    mdir, store = copy_of(extracted, tmp_path)
+    run = tmp_path / "run"
+    r = run_dflash("train", "--manifest", mdir, "--store", store, "--out", run, "--nproc", "2", "--device", "cpu",
+                   timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    state, _ = final_consumed(run)
+    items = [j for v in state["consumed"].values() for j in v]
+    m = Manifest.open(mdir, readonly=True)
+    assert sorted(int(j[0]) for j in items) == sorted(j.id for j in m.jobs())
+    assert {int(j[1]) for j in items} == {0, 1}
+    assert m.counts()["released"] == len(items)
