@@ -2,7 +2,8 @@
 
 ``bin/pipeline`` (any machine: ``python -m dflash_staged.launch pipeline``) and ``bin/node``
 (one GPU node split between the stages: ``python -m dflash_staged.launch node``) build the
-commands; :func:`run_side_by_side` runs and supervises them. Work directory layout::
+commands in :mod:`dflash_staged.layout` (which also holds their command line); this module's
+:func:`run_side_by_side` runs and supervises them. Work directory layout::
 
     WORKDIR/manifest   the plan (``dflash plan``; planned only when it does not exist yet)
     WORKDIR/store      the shard store (``dflash extract`` writes, ``dflash train`` reads/deletes)

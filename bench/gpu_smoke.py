@@ -1,0 +1,325 @@
+"""GPU smoke check, run by ``bench/gpu_smoke.sh`` (which picks the Python); < 8 minutes on one H100/H200.
+
+Steps (each reports ``ok`` and its numbers; a failing step does not stop the others):
+
+1. ``cuda_tests``: the test suite's CUDA-marked tests (``pytest -m cuda``).
+2. ``hybrid_extract``: the kernel preflight for a tiny hybrid target (``tiny:qwen3_5``, bf16, cuda:0),
+   then a real ``dflash extract --devices cuda:0`` on it. With flash-linear-attention and
+   causal-conv1d installed and working it must pass and write bf16 shards; without them it must
+   refuse with the preflight message (and then runs once more with ``--allow-slow-kernels``).
+3. ``extract_throughput``: real tokens/s of the hooked, early-stopped ``Target.capture`` against a bare
+   full forward (all layers, norm, LM head) of the same model and batch: a dense Qwen3 built in code
+   (24 layers, hidden 2048, bf16), batch 8 x 2048 tokens, taps = the DFlash rule for 5 draft layers.
+   Goal: ratio >= 0.9. Also capture + device-to-host copy into pinned memory.
+4. ``train_e2e``: plan a small synthetic dataset for ``tiny:qwen3`` in bf16, then run
+   ``dflash extract --devices cuda:0`` and ``dflash train --device cuda`` side by side through the
+   launcher (``python -m dflash_staged.launch pipeline``); the drafter trains under bf16 autocast.
+
+The last line printed is one JSON object: ``{"ok": ..., "device": ..., "steps": {name: {...}}}``;
+it is also written to ``OUT/gpu_smoke.json``. Exit code 0 when every step is ok.
+Usage: ``python bench/gpu_smoke.py [--out DIR] [--skip-tests]``. ``--device cpu`` runs the same steps
+on the CPU with a smaller model (a check of this script itself on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+NEEDED = ("torch", "transformers", "safetensors", "zarr", "numcodecs", "xxhash", "numpy", "click", "tqdm",
+          "tokenizers", "pytest")
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    return e
+
+
+def sh(cmd: list, timeout: float, log: Path) -> tuple[int, str]:
+    """Run cmd (output to `log` and returned); rc 124 on timeout."""
+    t0 = time.time()
+    try:
+        r = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True,
+                           timeout=timeout)
+        rc, text = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = 124
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text += f"\n[gpu_smoke] timed out after {timeout:.0f} s"
+    log.write_text(f"$ {' '.join(map(str, cmd))}\n[{time.time() - t0:.1f} s, rc {rc}]\n{text}")
+    print(f"[gpu_smoke] {' '.join(map(str, cmd[1:5]))} ... -> rc {rc} ({time.time() - t0:.0f} s; log {log})",
+          flush=True)
+    return rc, text
+
+
+def tail(text: str, n: int = 600) -> str:
+    return text[-n:]
+
+
+# ---------------------------------------------------------------------------------------------- data / configs
+TINY_GPU_CONFIG = """
+[target]
+model = "{model}"
+dtype = "auto"
+[data]
+max_len = 512
+num_buckets = 3
+token_budget = 2048
+[drafter]
+num_hidden_layers = 2
+intermediate_size = 256
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 32
+block_size = 8
+mask_token_id = 3
+dtype = "bfloat16"
+[train]
+lr = 2e-3
+warmup_ratio = 0.1
+grad_accum = 2
+microbatch_tokens = 2048
+num_anchors = 32
+gamma = 4.0
+buffer_capacity = 4
+min_ready = 2
+checkpoint_every = 4
+log_every = 1
+[extract]
+window = 16
+lease_s = 120
+"""
+
+
+def write_data(path: Path, n: int, seed: int = 0) -> Path:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            L = int(rng.integers(48, 480))
+            ids = rng.integers(4, 2048, L).tolist()
+            p = int(rng.integers(4, L // 4))
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * p + [1] * (L - p)}) + "\n")
+    return path
+
+
+def plan(work: Path, model: str, n: int) -> Path:
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = work / "config.toml"
+    cfg.write_text(TINY_GPU_CONFIG.format(model=model))
+    data = write_data(work / "data.jsonl", n)
+    rc, text = sh([sys.executable, "-m", "dflash_staged", "plan", "--config", cfg, "--data", data, "--manifest",
+                   work / "manifest"], 180, work / "plan.log")
+    if rc != 0:
+        raise RuntimeError(f"plan failed: {tail(text)}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- steps
+def step_cuda_tests(out: Path) -> dict:
+    xml = out / "cuda_tests.xml"
+    rc, text = sh([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                   f"--junitxml={xml}", "tests"], 300, out / "cuda_tests.log")
+    res = {"rc": rc}
+    if xml.is_file():
+        suites = ET.parse(xml).getroot()
+        suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
+        for k in ("tests", "failures", "errors", "skipped"):
+            res[k] = int(suite.get(k, 0))
+        res["failed_names"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                               if c.find("failure") is not None or c.find("error") is not None][:20]
+    res["ok"] = rc in (0, 5)  # 5: no CUDA-marked tests collected
+    if rc not in (0, 5):
+        res["tail"] = tail(text)
+    return res
+
+
+def step_hybrid_extract(out: Path, dev: str) -> dict:
+    from dflash_staged.preflight import KernelPreflightError, preflight_kernels
+    from dflash_staged.tiny import tiny_config
+    res = {"fla_installed": importlib.util.find_spec("fla") is not None,
+           "causal_conv1d_installed": importlib.util.find_spec("causal_conv1d") is not None}
+    try:
+        preflight_kernels(tiny_config("qwen3_5"), dev, allow_slow=False)
+        res["preflight"] = "passed"
+    except KernelPreflightError as e:
+        res["preflight"], res["preflight_message"] = "refused", str(e)[:400]
+    work = out / "hybrid"
+    plan(work, "tiny:qwen3_5", 24)
+    cmd = [sys.executable, "-m", "dflash_staged", "extract", "--manifest", work / "manifest", "--store",
+           work / "store", "--devices", dev, "--window", "64"]  # no trainer here: room for every shard
+    rc, text = sh(cmd, 300, work / "extract.log")
+    res["extract_rc"] = rc
+    if res["preflight"] == "passed":
+        from dflash_staged.store import ShardStore
+        st = ShardStore.open(work / "store")
+        res["store_dtype"] = st.meta.logical_dtype
+        res["shards"] = sum(1 for _ in st.iter_shards())
+        want = "bfloat16" if dev.startswith("cuda") else "float32"  # dtype auto
+        res["ok"] = rc == 0 and st.meta.logical_dtype == want and res["shards"] > 0
+    else:
+        res["refused_as_expected"] = rc != 0 and "fast kernels" in text
+        rc2, text2 = sh(cmd + ["--allow-slow-kernels"], 300, work / "extract_slow.log")
+        res["allow_slow_rc"] = rc2
+        res["ok"] = res["refused_as_expected"] and rc2 == 0
+    if not res["ok"]:
+        res["tail"] = tail(text)
+    return res
+
+
+def step_throughput(out: Path, dev: str, repeats: int = 10) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    from dflash_staged.config import dflash_target_layers
+    from dflash_staged.target import Target, pack_unpadded
+    gpu = dev.startswith("cuda")
+    H, layers, B, L = (2048, 24, 8, 2048) if gpu else (256, 8, 2, 256)
+    cfg = Qwen3Config(vocab_size=32768, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers,
+                      num_attention_heads=H // 128, num_key_value_heads=max(1, H // 256), head_dim=128,
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    dev = torch.device(dev)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    with dev:  # initialise the random weights on the device itself (fast on a GPU)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    layer_ids = dflash_target_layers(cfg.num_hidden_layers, 5)
+    target = Target(model, layer_ids, f"bench:dense-{layers}x{H}", dev)
+    ids = torch.randint(4, cfg.vocab_size, (B, L), device=dev)
+    mask = torch.ones_like(ids)
+    lengths = torch.full((B,), L, dtype=torch.long)
+    host = torch.empty(B * L, len(layer_ids), H, dtype=dtype, pin_memory=gpu)
+
+    def capture():
+        return pack_unpadded(target.capture(ids, mask), lengths)
+
+    def capture_d2h():
+        host.copy_(capture(), non_blocking=True)
+
+    def full():
+        with torch.inference_mode():
+            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize(dev)
+
+    def timed(fn) -> float:
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    fns = {"capture": capture, "capture_d2h": capture_d2h, "full": full}
+    for fn in fns.values():
+        for _ in range(3):
+            timed(fn)
+    times = {k: [] for k in fns}
+    for _ in range(repeats):  # interleaved, so drift hits all paths alike
+        for k, fn in fns.items():
+            times[k].append(timed(fn))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tok = B * L
+    res = {"model": f"qwen3 dense {layers} layers, hidden {H}, {str(dtype)[6:]}", "batch": f"{B}x{L}",
+           "layer_ids": layer_ids,
+           "capture_tok_s": round(tok / med["capture"]), "capture_d2h_tok_s": round(tok / med["capture_d2h"]),
+           "full_forward_tok_s": round(tok / med["full"]), "ratio": round(med["full"] / med["capture"], 3),
+           "ratio_with_d2h": round(med["full"] / med["capture_d2h"], 3), "repeats": repeats,
+           "peak_mem_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if gpu else None}
+    res["ok"] = res["ratio"] >= 0.9
+    del model, target
+    if gpu:
+        torch.cuda.empty_cache()
+    return res
+
+
+def step_train_e2e(out: Path, dev: str) -> dict:
+    work = out / "e2e"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = work / "config.toml"
+    cfg.write_text(TINY_GPU_CONFIG.format(model="tiny:qwen3"))
+    data = write_data(work / "data.jsonl", 96, seed=1)
+    summary = work / "summary.json"
+    rc, text = sh([sys.executable, "-m", "dflash_staged.launch", "pipeline", "--config", cfg, "--data", data,
+                   "--workdir", work / "w", "--devices", dev, "--summary-json", summary, "--status-every", "5",
+                   "--", "--device", dev.split(":")[0]], 360, work / "launch.log")
+    res = {"rc": rc}
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        res.update({k: s.get(k) for k in ("steps", "loss_first", "loss_last", "total_jobs", "tokens_trained",
+                                           "peak_store_bytes", "extract_s", "train_s", "total_s")})
+    ckpts = sorted(p.name for p in (work / "w" / "run").glob("*") if p.is_dir()) if (work / "w" / "run").is_dir() \
+        else []
+    res["run_dir_entries"] = ckpts[:6]
+    loss = res.get("loss_last")
+    res["ok"] = rc == 0 and (res.get("steps") or 0) >= 1 and loss is not None and math.isfinite(loss)
+    if not res["ok"]:
+        res["tail"] = tail(text, 1500)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / f"gpu_smoke-{time.strftime('%Y%m%d-%H%M%S')}")
+    ap.add_argument("--skip-tests", action="store_true", help="skip step 1 (pytest -m cuda)")
+    ap.add_argument("--device", default="cuda:0", help="cuda:0, or cpu to check this script without a GPU")
+    args = ap.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"ok": False, "out": str(out), "steps": {}}
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        summary["error"] = (f"missing Python packages: {', '.join(missing)}; install them (docs/gpu.md: offline "
+                            "wheels) or run without DFLASH_USE_SYSTEM_TORCH=1")
+        print(json.dumps(summary))
+        return 2
+    import torch
+    summary.update(torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0])
+    gpu = args.device.startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        summary["error"] = "torch.cuda.is_available() is False: no usable GPU (or a CPU-only torch build)"
+        print(json.dumps(summary))
+        return 2
+    summary["device"] = torch.cuda.get_device_name(torch.device(args.device)) if gpu else "cpu"
+    import transformers
+    summary["transformers"] = transformers.__version__
+    t_all = time.time()
+    steps = [("cuda_tests", step_cuda_tests), ("hybrid_extract", step_hybrid_extract),
+             ("extract_throughput", step_throughput), ("train_e2e", step_train_e2e)]
+    for name, fn in steps:
+        if name == "cuda_tests" and args.skip_tests:
+            continue
+        t = time.time()
+        print(f"[gpu_smoke] step {name} ...", flush=True)
+        try:
+            res = fn(out) if name == "cuda_tests" else fn(out, args.device)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next step
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "tail": tail(traceback.format_exc(), 1500)}
+        res["seconds"] = round(time.time() - t, 1)
+        summary["steps"][name] = res
+        print(f"[gpu_smoke] step {name}: {'ok' if res['ok'] else 'FAILED'} ({res['seconds']} s)", flush=True)
+    summary["seconds"] = round(time.time() - t_all, 1)
+    summary["ok"] = all(r["ok"] for r in summary["steps"].values())
+    (out / "gpu_smoke.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
