@@ -349,6 +349,7 @@ def run_extract(opts: ExtractOptions) -> int:
     from .store import ShardStore
     if ShardStore.exists(opts.store):
         ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id}).cleanup_temp()
+    m.set_meta("extract_window", {"shards": opts.window, "bytes": opts.window_bytes, "workers": len(opts.devices)})
     proc_id = m.register("extract", info={"devices": opts.devices})
     m.log_event("start:extract", ",".join(opts.devices))
     ctx = mp.get_context("spawn")

@@ -375,6 +375,18 @@ def _rewrite_metrics(path: Path, upto: int) -> None:
     os.replace(tmp, path)
 
 
+def _check_window(m: Manifest, cfg: Config, ranks: int) -> None:
+    """The same arithmetic as extract: the window must hold min_ready x ranks shards (else the trainer
+    could wait forever), and should hold capacity x ranks + 3 x workers + one checkpoint interval."""
+    from .extract import window_check
+    w = m.meta.get("extract_window") or {"shards": cfg.extract.window, "workers": 1}
+    err, warn = window_check(cfg, int(w["shards"]), int(w.get("workers", 1)), ranks)
+    if err:
+        raise DflashError(f"{m.dir}: extract runs with {err}")
+    if warn:
+        print(f"train: warning: {warn}", file=sys.stderr, flush=True)
+
+
 def build_run(opts: TrainOptions) -> Run:
     from .drafter import DFlashDrafter, DraftModelConfig
     from .target import load_tokenizer
@@ -395,6 +407,8 @@ def build_run(opts: TrainOptions) -> Run:
     trainer_id = f"{dist.group_id}"
     if not opts.replay:
         m.register("train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)})
+    if not opts.replay:
+        _check_window(m, cfg, dist.world)
     store = _wait_for_store(opts, m, Progress(0, False))
     layer_ids = list(store.meta.layer_ids)
     num_layers, hidden, vocab = target_dims(cfg.target)
