@@ -283,8 +283,9 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
             c.stop(signal.SIGKILL if len(sigs) > 1 else signal.SIGTERM)
 
     old = {}
-    if threading.current_thread() is threading.main_thread():
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    if threading.current_thread() is threading.main_thread():  # (signals ignored on purpose, e.g. nohup, stay so)
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+               if signal.getsignal(s) is not signal.SIG_IGN}
     mon = _Monitor(manifest, store, run_dir)
     said = [0]
 
@@ -324,7 +325,7 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
         if sigs:  # a signal that arrived while they were starting
             ex.stop(), tr.stop()
         ex.reader.start(), tr.reader.start()
-        last_status = progress_t = time.monotonic()
+        last_status = progress_t = last_check = time.monotonic()
         progress_sig, drain_said = None, False
         while ex.poll() | tr.poll():
             time.sleep(POLL_S)
@@ -335,7 +336,8 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
                     and (tr.failed or now - tr.t1 > extract_grace_s):
                 say(f"train exited ({tr.exit_code()}); stopping extract")
                 ex.stop()
-            if ex.failed and tr.code is None and not tr.stopped:
+            if ex.failed and tr.code is None and not tr.stopped and (not drain_said or now - last_check >= 1.0):
+                last_check = now
                 if not drain_said:
                     say(f"extract failed (exit {ex.exit_code()}); train goes on with the shards already written "
                         "and stops by itself (Ctrl-C stops it now)")

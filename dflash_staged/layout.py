@@ -289,7 +289,11 @@ def _run_layout(layout, status_every: float, summary_json: Path | None, dry_run:
     after = None
     if layout.disk_notes and not dry_run:
         def after():
-            for line in layout.disk_notes():
+            try:
+                lines = layout.disk_notes()
+            except Exception as e:  # noqa: BLE001 - the arithmetic is advice; never block the run on it
+                lines = [f"disk arithmetic unavailable: {type(e).__name__}: {e}"]
+            for line in lines:
                 click.echo(f"[launch] {line}")
     if not dry_run and layout.plan_cmd is None:
         click.echo(f"[launch] {layout.manifest} already holds this plan; not re-planning")

@@ -251,7 +251,8 @@ def test_bin_pipeline_end_to_end_on_tiny_target(tmp_path):
     summary = tmp_path / "summary.json"
     r = subprocess.run([str(ROOT / "bin" / "pipeline"), "--config", "configs/tiny.toml", "--data", str(data),
                         "--workdir", str(tmp_path / "w"), "--summary-json", str(summary), "--status-every", "2"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, env={**env(), "DFLASH_USE_SYSTEM_TORCH": "1", "PYTHON": sys.executable},
+                       capture_output=True, text=True, timeout=600)  # this interpreter as is: no venv set-up
     assert r.returncode == 0, r.stdout + r.stderr
     s = json.loads(summary.read_text())
     assert s["jobs"]["released"] == s["total_jobs"] > 0 and s["tokens_trained"] == s["tokens_extracted"] > 0
