@@ -122,7 +122,7 @@ class _Child:
 
     def _read(self) -> None:
         for raw in iter(self.p.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n").rsplit("\r", 1)[-1]
+            line = raw.decode(errors="replace").rstrip("\r\n").rsplit("\r", 1)[-1]  # last redraw of a \r line
             self.say(line, self.name)
 
     def poll(self) -> bool:
