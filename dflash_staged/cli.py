@@ -144,6 +144,37 @@ def train(manifest_dir, store_dir, out_dir, replay, keep_shards, order_from, pas
     sys.exit(code)
 
 
+@main.command("eval")
+@click.option("--drafter", "drafter_path", required=True, type=click.Path(path_type=Path),
+              help="Drafter checkpoint (config.json + model.safetensors) or a run directory (its newest).")
+@click.option("--target", "target_spec", required=True,
+              help="Target: model directory, hub id or tiny:qwen3; or a dflash config TOML (its [target]).")
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(path_type=Path),
+              help="JSONL: {\"messages\": [...]} (chat template + generation prompt) or {\"input_ids\": [...]}.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N prompts.")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--no-baseline", is_flag=True, help="Skip plain greedy decoding (no tokens/s comparison).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level key tau).")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
+              help="Write a PNG: accepted-length histogram and per-position acceptance.")
+@click.option("--out", "out_path", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
+@user_errors
+def eval_cmd(drafter_path, target_spec, prompts_path, max_new_tokens, limit, device, no_baseline, as_json,
+             plot_path, out_path):
+    """Greedy speculative decoding with the target: acceptance length tau, tokens/s vs plain greedy."""
+    import json
+    from .evaluate import format_report, run_eval, write_json
+    report = run_eval(drafter_path, target_spec, prompts_path, max_new_tokens, device=device, limit=limit,
+                      baseline=not no_baseline)
+    if plot_path:
+        from .plot import plot_eval
+        report["plot"] = str(plot_eval(report, plot_path))
+    if out_path:
+        write_json(out_path, report)
+    click.echo(json.dumps(report) if as_json else format_report(report))
+
+
 def parse_sets(sets) -> dict:
     """['train.lr=1e-3', 'drafter.block_size=8'] -> {'train': {'lr': 0.001}, 'drafter': {'block_size': 8}}."""
     from .config import tomllib
