@@ -59,6 +59,7 @@ class LiveSource:
 
     def check_progress_possible(self) -> None:
         """Raise if pending jobs remain but no extractor has been alive for a while."""
+        self.m.reclaim_stale()  # claims of dead workers go back to pending
         c = self.m.counts()
         if c["pending"] == 0 or c["claimed"] > 0 or self.m.live_procs("extract") \
                 or not self.m.ever_registered("extract"):

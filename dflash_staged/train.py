@@ -127,6 +127,7 @@ def train_loop(run) -> int:
     """The training loop. `run` is a :class:`dflash_staged.trainer_setup.Run` (model, data, state)."""
     cfg, dist = run.cfg, run.dist
     stop = StopRequested()
+    stopping = False
     while not (run.opts.max_steps and run.step >= run.opts.max_steps):
         # ---- data: this step's shards (may wait; never while holding unreleased shards) --------------
         if run.dist.enabled and run.holds_unreleased() and run.dist.any(run.would_wait()):
@@ -164,13 +165,15 @@ def train_loop(run) -> int:
                      dist.sum_int(data.bucket_choices if data else 0))
 
         # ---- checkpoint + release shards the checkpoint covers ------------------------------------
-        if run.step % cfg.train.checkpoint_every == 0 or stop:
+        stopping = dist.any(bool(stop))  # every rank agrees, since checkpointing is collective
+        if run.step % cfg.train.checkpoint_every == 0 or stopping:
             run.checkpoint_and_release()
-        if stop:
+        if stopping:
             break
     # ---- the end: final checkpoint, release, report -------------------------------------------------
+    stopping = dist.any(bool(stop))
     run.checkpoint_and_release()
     run.progress.close()
-    if stop:
-        return 128 + stop.signum
+    if stopping:
+        return 128 + (stop.signum or signal.SIGTERM)
     return run.source.final_status()
