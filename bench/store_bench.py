@@ -17,8 +17,9 @@ root and without touching other processes' cache; --drop-caches writes /proc/sys
 instead), so they measure the disk; and "warm"
 straight after, from the page cache, so they measure CPU and memory bandwidth. Methods run
 interleaved shard by shard, the order rotated each shard (the disk's speed drifts a lot on a
-shared VM); every ratio (store / numpy, store / torch.save) is
-taken within one run and the median over runs is reported. With --json the last stdout line is
+shared VM). A ratio (store / numpy, store / torch.save) is the median over shards of the
+per-shard throughput ratio within a run (robust to bursts of disk speed), and the median of
+that over runs is reported; the GB/s columns are total bytes / total time, median over runs. With --json the last stdout line is
 one JSON object. Other processes sharing the CPUs or the disk add noise: compare ratios, not
 absolute numbers, across machines.
 """
@@ -182,11 +183,12 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="store-bench-", dir=args.dir))
     names = list(methods)
     res = {m: {"write": [], "read_cold": [], "read_warm": [], "disk": 0} for m in names}
+    per_shard = []  # one {method: {kind: seconds per shard}} per run
     how = "?"
     try:
         for run in range(args.runs):
             dirs = {m: scratch / m.replace(".", "_").replace("+", "_") for m in names}
-            secs = {m: {"write": 0.0, "read_cold": 0.0, "read_warm": 0.0} for m in names}
+            secs = {m: {"write": [], "read_cold": [], "read_warm": []} for m in names}
             for m in names:
                 dirs[m].mkdir()
                 methods[m].setup(dirs[m], shards)
@@ -195,7 +197,7 @@ def main() -> None:
                 for m in names[k:] + names[:k]:
                     t0 = time.perf_counter()
                     methods[m].write(dirs[m], j, sh)
-                    secs[m]["write"] += time.perf_counter() - t0
+                    secs[m]["write"].append(time.perf_counter() - t0)
             for m in names:
                 res[m]["disk"] = sum(p.stat().st_size for p in dirs[m].rglob("*") if p.is_file())
                 how = evict(dirs[m], args.drop_caches)
@@ -205,16 +207,19 @@ def main() -> None:
                     for m in names[k:] + names[:k]:
                         t0 = time.perf_counter()
                         methods[m].read(dirs[m], j, sh)
-                        secs[m][kind] += time.perf_counter() - t0
+                        secs[m][kind].append(time.perf_counter() - t0)
             for m in names:
                 for kind, sec in secs[m].items():
-                    res[m][kind].append(nbytes / sec / 1e9)
+                    res[m][kind].append(nbytes / sum(sec) / 1e9)
                 shutil.rmtree(dirs[m])
+            per_shard.append(secs)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
     def ratio(a: str, b: str, kind: str) -> float:
-        return statistics.median(x / y for x, y in zip(res[a][kind], res[b][kind]))
+        """Throughput a / b: per run the median over shards of the time ratio, then the median over runs."""
+        return statistics.median(statistics.median(tb / ta for ta, tb in zip(r[a][kind], r[b][kind]))
+                                 for r in per_shard)
 
     print(f"{nbytes / 2**30:.2f} GiB in {len(shards)} shards (K={K}, H={H}, bf16), {args.runs} interleaved runs, "
           f"cache eviction: {how}, cpus: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}")

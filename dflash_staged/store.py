@@ -72,7 +72,7 @@ import torch
 
 from .errors import DflashError
 from .shardfiles import (ChunkError, array_json, bytes_view, chunk_file, combine_hex, empty_tensor, hash_hex, new_hash,
-                         fsync_dir, group_json, owner_dead, read_chunk, temp_name, write_file, write_json, zstd)
+                         fsync_all, fsync_dir, group_json, owner_dead, prefetch, read_chunk, temp_name, write_file, write_json, zstd)
 
 FORMAT_VERSION = 1
 ARRAYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens", "sample_ids")
@@ -353,24 +353,24 @@ class ShardStore:
         comp = self.meta.compression
         try:
             tmp.mkdir()
-            digests, entries, nbytes = [], {}, 0
+            digests, entries, nbytes, to_sync = [], {}, 0, [tmp]
             for name, t in arrays.items():
                 zdtype = self._hidden_zdtype if name == "hidden" else _SMALL[name][1]
                 view = bytes_view(t)
                 adir = tmp / name
                 adir.mkdir()
                 write_json(adir / "zarr.json", array_json(t.shape, zdtype, comp, self.meta.logical_dtype
-                                                            if name == "hidden" else zdtype))
+                                                          if name == "hidden" else zdtype), sync=False)
                 fname = chunk_file(t.dim())
                 if not view.size:
                     size, digest = 0, hash_hex(view)
                 elif comp == "zstd":
-                    size, digest = write_file(adir / fname, zstd().encode(view)), hash_hex(view)
+                    size, digest = write_file(adir / fname, zstd().encode(view), sync=False), hash_hex(view)
                 else:
                     hasher = new_hash()
-                    size = write_file(adir / fname, view, hasher)
+                    size = write_file(adir / fname, view, hasher, sync=False)
                     digest = hasher.hexdigest()
-                fsync_dir(adir)
+                to_sync += [adir / "zarr.json", adir] + ([adir / fname] if size else [])
                 digests.append(digest)
                 nbytes += size
                 entries[name] = {"shape": list(t.shape), "dtype": zdtype, "file": f"{name}/{fname}",
@@ -381,8 +381,8 @@ class ShardStore:
                      "num_samples": int(arrays["sample_ids"].shape[0]),
                      "logical_dtype": self.meta.logical_dtype, "compression": comp,
                      "nbytes": nbytes, "checksum": checksum, "arrays": entries}
-            write_json(tmp / "zarr.json", group_json({"dflash_shard": attrs}))
-            fsync_dir(tmp)
+            write_json(tmp / "zarr.json", group_json({"dflash_shard": attrs}), sync=False)
+            fsync_all(to_sync + [tmp / "zarr.json"])  # every file and directory durable before the rename
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -423,6 +423,8 @@ class ShardStore:
             raise ShardCorruptError(f"shard {d} has checksum {attrs['checksum']} but the manifest recorded "
                                     f"{expected_checksum}: it is not the shard that was written; re-extract")
         out: dict[str, torch.Tensor] = {}
+        for name in ARRAYS[1:]:  # start the small files' reads now, so they overlap the big one
+            prefetch(d / attrs["arrays"][name]["file"])
         for name in ARRAYS:
             e = attrs["arrays"][name]
             dtype = self._torch_dtype if name == "hidden" else _SMALL[name][0]
