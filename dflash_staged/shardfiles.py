@@ -1,7 +1,8 @@
 """Crash-safe file primitives and zarr v3 metadata for the shard store (:mod:`dflash_staged.store`).
 
-Every file is created exclusively, written in full and fsynced; directories are fsynced after
-their entries change. :data:`_os_write` is the one function that writes file bytes, so tests
+Every file is created exclusively and written in full; files and directories are fsynced
+before anything that depends on them is renamed into place (a shard's ~17 of them together, see
+:func:`fsync_all`). :data:`_os_write` is the one function that writes file bytes, so tests
 can monkeypatch it to simulate a full disk or a writer killed mid-write. Temp entries are named
 ``<prefix>~<pid>~<token>~<host>`` so that :func:`owner_dead` can tell leftovers of dead
 writers from live ones. The checksum (XXH3-64, about 2x the speed of CRC32C here) is computed

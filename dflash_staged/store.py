@@ -71,8 +71,9 @@ from typing import Iterator
 import torch
 
 from .errors import DflashError
-from .shardfiles import (ChunkError, array_json, bytes_view, chunk_file, combine_hex, empty_tensor, hash_hex, new_hash,
-                         fsync_all, fsync_dir, group_json, owner_dead, prefetch, read_chunk, temp_name, write_file, write_json, zstd)
+from .shardfiles import (ChunkError, array_json, bytes_view, chunk_file, combine_hex, empty_tensor, fsync_all,
+                         fsync_dir, group_json, hash_hex, new_hash, owner_dead, prefetch, read_chunk, temp_name,
+                         write_file, write_json, zstd)
 
 FORMAT_VERSION = 1
 ARRAYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens", "sample_ids")
@@ -216,7 +217,7 @@ class ShardStore:
             if owner_dead(entry.name, 86400.0, entry):
                 shutil.rmtree(entry, ignore_errors=True)
         if not cls.exists(root):
-            if root.exists() and any(root.iterdir()):
+            if root.exists() and any(root.iterdir()) and not cls.exists(root):  # (not: a racing creator won)
                 raise StoreMismatchError(f"{root} exists and is not empty but holds no shard store "
                                          f"(no zarr.json): choose an empty or new directory")
             tmp = parent / f".{root.name}{temp_name('tmp', 'store')}"

@@ -3,7 +3,9 @@
 ``submit`` copies the hidden states off the GPU into a reusable pinned host buffer on a side CUDA
 stream (non-blocking, an event marks completion) and queues the shard; one writer thread waits
 for the event and calls :meth:`ShardStore.write_shard`, then ``on_done(ShardInfo)`` or
-``on_done(exception)``. At most ``max_pending`` shards are held in host memory; ``submit``
+``on_done(exception)``. With ``stage_only=True`` it calls :meth:`ShardStore.stage_shard` instead
+and hands ``on_done`` the :class:`StagedShard`, for a caller that commits (or discards) it itself,
+e.g. under the manifest's lock. At most ``max_pending`` shards are held in host memory; ``submit``
 blocks only when that many are pending. CPU tensors are queued as they are (no copy): the caller
 must not modify them until ``on_done`` runs. ``close`` waits for everything and re-raises the
 first error (a write error or an exception raised by ``on_done``).
@@ -17,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from .store import ShardInfo, ShardStore
+from .store import ShardInfo, ShardStore, StagedShard
 
-OnDone = Callable[[ShardInfo | BaseException], None]
+OnDone = Callable[[ShardInfo | StagedShard | BaseException], None]
 
 
 class _PinnedPool:
@@ -48,10 +50,11 @@ class _PinnedPool:
 class ShardWriter:
     """Write shards on a background thread; see the module docstring."""
 
-    def __init__(self, store: ShardStore, max_pending: int = 2):
+    def __init__(self, store: ShardStore, max_pending: int = 2, stage_only: bool = False):
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self.store = store
+        self._write = store.stage_shard if stage_only else store.write_shard
         self._slots = threading.Semaphore(max_pending)
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -112,7 +115,7 @@ class ShardWriter:
                 if event is not None:
                     event.synchronize()
                 try:
-                    result: ShardInfo | BaseException = self.store.write_shard(epoch, job_id, *tensors)
+                    result: ShardInfo | StagedShard | BaseException = self._write(epoch, job_id, *tensors)
                 except BaseException as e:  # noqa: BLE001 - handed to on_done and close()
                     result = e
                     self._remember(e)

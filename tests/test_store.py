@@ -389,6 +389,16 @@ def test_writer_reports_errors_and_close_reraises(store):
     assert store.has_shard(0, 2) and not store.has_shard(0, 1)
 
 
+def test_writer_stage_only_leaves_commit_to_the_caller(store):
+    staged = []
+    data = batch([5], 2, 16, seed=4)
+    with ShardWriter(store, stage_only=True) as w:
+        w.submit(0, 3, *data, on_done=staged.append)
+    assert len(staged) == 1 and not store.has_shard(0, 3)
+    store.commit_staged(staged[0])
+    assert_same(store.read_shard(0, 3, staged[0].info.checksum), *data)
+
+
 @pytest.mark.cuda
 def test_writer_copies_from_cuda(store):
     results = []
