@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_staged.buffer import ShardBuffer  # noqa: E402
+from dflash_staged.buffer import ShardBuffer, bound_host_memory  # noqa: E402
 from dflash_staged.config import Config  # noqa: E402
 from dflash_staged.extract import publish_staged  # noqa: E402
 from dflash_staged.manifest import Manifest  # noqa: E402
@@ -256,6 +256,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
+    bound_host_memory()  # as dflash train does; applies to both designs
     res: dict = {"settings": {k: v for k, v in vars(a).items() if k != "json"}}
     mb = a.tokens_per_job * a.K * a.H * 2 / 2**20
     print(f"shard {mb:.1f} MiB; producer {a.producer_tok_s:,.0f} tok/s > consumer {a.consumer_tok_s:,.0f} tok/s")

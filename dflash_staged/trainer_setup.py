@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .buffer import ShardBuffer
+from .buffer import ShardBuffer, bound_host_memory
 from .config import REPLAY_OVERRIDABLE, Config, apply_overrides
 from .errors import DflashError
 from .manifest import Manifest
@@ -392,6 +392,7 @@ def build_run(opts: TrainOptions) -> Run:
     from .target import load_tokenizer
     from .weights import load_embed_and_head, validate_mask_token
 
+    bound_host_memory()
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))
