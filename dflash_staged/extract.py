@@ -247,7 +247,8 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if device.startswith("cpu"):
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, len(opts.devices))))
+        n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        torch.set_num_threads(n or max(1, (os.cpu_count() or 1) // max(1, len(opts.devices))))
     worker_id = f"w{rank}-{os.getpid()}"
     m = Manifest.open(opts.manifest)
     cfg = m.config

@@ -122,12 +122,19 @@ def pipeline_layout(config: Path, data: Path, workdir: Path, *, devices: str = "
     workdir = Path(workdir)
     m, s, r = workdir / "manifest", workdir / "store", workdir / "run"
     extra = tuple(train_args)
-    if all(d.strip() == "cpu" for d in devices.split(",")) and "--device" not in extra:
-        extra += ("--device", "cpu")
+    env_ex, env_tr = dict(BASE_ENV), dict(BASE_ENV)
+    cpu_devs = [d for d in devices.split(",") if d.strip() == "cpu"]
+    if len(cpu_devs) == len(devices.split(",")):
+        if "--device" not in extra:
+            extra += ("--device", "cpu")
+        # Share the cores: half to the extract workers, half to the trainer (oversubscribed threads
+        # slowed generation 6x on a busy 2-core machine).
+        half = max(1, (os.cpu_count() or 2) // 2)
+        env_ex["OMP_NUM_THREADS"] = str(max(1, half // len(cpu_devs)))
+        env_tr["OMP_NUM_THREADS"] = str(half)
     return Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
-                  Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels),
-                       dict(BASE_ENV)),
-                  Proc("train", [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)], dict(BASE_ENV)))
+                  Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels), env_ex),
+                  Proc("train", [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)], env_tr))
 
 
 def parse_gpus(text: str, flag: str) -> list[str]:
