@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import hashlib
+import math
 import sys
 import typing
 from dataclasses import dataclass, field, fields
@@ -240,7 +241,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        if ok:
+            try:
+                f = float(value)
+            except OverflowError:  # an integer beyond float range
+                f = math.inf
+            if not math.isfinite(f):
+                raise ConfigError(f"{where}: {str(value)[:40]} is not a finite number; give a finite value")
+            value = f
     elif tp is str:
         ok = isinstance(value, str)
     else:  # pragma: no cover
@@ -248,7 +256,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if not ok:
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if tp is int and abs(value) > 2**62:
-        raise ConfigError(f"{where}: {value} is out of range; use a value below 2**62")
+        raise ConfigError(f"{where}: {str(value)[:40]} is out of range; use a value below 2**62")
     return value
 
 
@@ -293,6 +301,10 @@ def load_config(path: str | Path) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}; fix the syntax") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply; fix the syntax") from None
+    except ValueError as e:  # e.g. an integer literal too long to convert
+        raise ConfigError(f"{path}: invalid TOML: {e}; fix the value") from None
     return config_from_dict(raw, str(path))
 
 

@@ -265,12 +265,18 @@ class _Parser:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise _BadLine("(line)", f"malformed JSON: {e.msg} at column {e.colno}") from None
+        except RecursionError:
+            raise _BadLine("(line)", "JSON nested too deeply to parse; a sample is one flat object") from None
+        except ValueError as e:  # e.g. an integer literal too long to convert
+            raise _BadLine("(line)", f"malformed JSON: {str(e)[:120]}") from None
         if not isinstance(obj, dict):
             raise _BadLine("(line)", f"expected a JSON object, got {type(obj).__name__}")
         if "input_ids" in obj:
             if "messages" in obj:
                 raise _BadLine("messages", "a line has either input_ids/loss_mask or messages, not both")
             ids = _int_array(obj["input_ids"], "input_ids")
+            if (b"true" in raw or b"false" in raw) and any(type(v) is bool for v in obj["input_ids"]):
+                raise _BadLine("input_ids", "expected a list of integers, found true/false")  # numpy reads it as 1/0
             if "loss_mask" not in obj:
                 raise _BadLine("loss_mask", "missing field; give one 0/1 per input id")
             mask = _int_array(obj["loss_mask"], "loss_mask")

@@ -100,7 +100,7 @@ def bucket_edges(lengths: np.ndarray, data_cfg: DataConfig) -> list[int]:
     if data_cfg.bucket_edges:
         edges = [int(e) for e in data_cfg.bucket_edges]
         return edges if edges[-1] >= longest else edges + [longest]
-    k = data_cfg.num_buckets
+    k = min(data_cfg.num_buckets, max(1, len(lengths)))  # more quantiles than samples only repeat edges
     qs = np.quantile(lengths, np.arange(1, k + 1) / k, method="inverted_cdf")
     edges = sorted(set(int(q) for q in qs))
     edges[-1] = longest
@@ -190,8 +190,8 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
 
     Everything is computed in memory first, so a failing ingestion writes nothing.
     """
-    from .config import load_config
-    from .dataset import load_dataset, target_text_config
+    from .config import ConfigError, load_config
+    from .dataset import load_dataset, target_text_config, target_vocab_size
     from .manifest import Manifest
     from .target import resolve_layer_ids
 
@@ -199,6 +199,10 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
     manifest_dir = Path(manifest_dir) if manifest_dir else Path("manifests") / Path(config_path).stem
     layer_ids = resolve_layer_ids(cfg.target, target_text_config(cfg.target).num_hidden_layers,
                                   cfg.drafter.num_hidden_layers)
+    vocab, mask_id = target_vocab_size(cfg.target), cfg.drafter.mask_token_id
+    if mask_id != -1 and not 0 <= mask_id < vocab:
+        raise ConfigError(f"{config_path}: drafter.mask_token_id={mask_id} is outside the target vocabulary "
+                          f"0..{vocab - 1}; use -1 (= len(tokenizer)) or an unused or special id below {vocab}")
     samples, data_hash = load_dataset(data_path, cfg, skip_bad=skip_bad, progress=progress)
     plan = make_plan(samples.lengths(), cfg, epochs, seed)
     existed = (manifest_dir / "manifest.db").exists()
