@@ -93,66 +93,44 @@ def _die_with_parent() -> None:
         pass
 
 
-class _Publisher(threading.Thread):
-    """Background writer: copies a shard to host memory, writes it, publishes it in the manifest."""
+class _Publisher:
+    """Hands shards to the background :class:`~dflash_staged.writer.ShardWriter` (device -> pinned host
+    copy on a side stream, then the staged write) and publishes each one under its claim when written."""
 
     def __init__(self, opts: ExtractOptions, store, lease: "_Lease", max_pending: int = 1):
-        super().__init__(daemon=True, name="shard-writer")
+        from .writer import ShardWriter
         self.opts, self.store, self.lease = opts, store, lease
-        self.q: queue.Queue = queue.Queue(maxsize=max_pending)
-        self.error: BaseException | None = None
-        self.done_tokens = 0
-        self.stream = torch.cuda.Stream() if torch.cuda.is_available() and "cuda" in str(opts.devices) else None
+        self.writer = ShardWriter(store, max_pending=max_pending, stage_only=True)
+        self._m: Manifest | None = None  # the writer thread's own manifest connection
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.writer.error
 
     def submit(self, job, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids) -> None:
-        if self.error:
-            raise self.error
-        event = None
-        if hidden.is_cuda:
-            # Copy device -> pinned host memory on a side stream; the writer waits on the event,
-            # so the next forward overlaps the copy and the disk write.
-            host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                host.copy_(hidden, non_blocking=True)
-                hidden.record_stream(self.stream)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            hidden = host
-        self.q.put((job, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, event))
+        if self.writer.error is not None:
+            raise self.writer.error
+        self.writer.submit(job.epoch, job.id, hidden, input_ids, loss_mask, cu_seqlens, sample_ids,
+                           on_done=lambda result, job=job: self._done(job, result))
 
-    def run(self) -> None:
-        m = Manifest.open(self.opts.manifest)
-        while True:
-            item = self.q.get()
-            if item is None:
-                break
-            job, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, event = item
-            try:
-                if event is not None:
-                    event.synchronize()
-                staged = self.store.stage_shard(job.epoch, job.id, hidden, input_ids, loss_mask, cu_seqlens,
-                                                sample_ids)
-                if publish_staged(m, self.store, job, staged):
-                    self.done_tokens += int(input_ids.numel())
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                self.error = e
-                self._give_back(m, job, e)
-            finally:
-                self.lease.drop(job)
-                self.q.task_done()
-        m.close()
-
-    def _give_back(self, m: Manifest, job, e: BaseException) -> None:
-        from .store import StoreFullError
-        if isinstance(e, StoreFullError):
-            m.abandon(job, f"disk full: {e}")
-        else:
-            m.fail(job, f"write failed: {type(e).__name__}: {e}", self.opts.max_attempts)
+    def _done(self, job, result) -> None:  # runs on the writer thread
+        if self._m is None:
+            self._m = Manifest.open(self.opts.manifest)
+        try:
+            if isinstance(result, BaseException):
+                from .store import StoreFullError
+                if isinstance(result, StoreFullError):
+                    self._m.abandon(job, f"disk full: {result}")
+                else:
+                    self._m.fail(job, f"write failed: {type(result).__name__}: {result}", self.opts.max_attempts)
+            else:
+                publish_staged(self._m, self.store, job, result)
+        finally:
+            self.lease.drop(job)
 
     def close(self) -> None:
-        self.q.put(None)
-        self.join()
+        """Wait for every submitted shard; re-raise the first write error."""
+        self.writer.close()
 
 
 def publish_staged(m: Manifest, store, job, staged) -> bool:
@@ -265,7 +243,6 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
         sys.exit(EXIT_ERROR)
     lease = _Lease(opts)
     publisher = _Publisher(opts, store, lease)
-    publisher.start()
     lease.start()
     waiting_since = None
     code = 0
@@ -301,9 +278,7 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
             # The lease stays held until the writer has published (or given back) the shard.
             publisher.submit(job, hidden, packed_ids, loss_mask, cu, sample_ids)
             status_q.put(("claimed", rank, job.id, int(packed_ids.numel())))
-        publisher.q.join()
-        if publisher.error is not None:
-            raise publisher.error
+        publisher.close()
     except BaseException as e:  # noqa: BLE001
         from .store import StoreFullError
         code = EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR
