@@ -34,25 +34,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import DflashError
+from .fsutil import fsync_path
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
 class CheckpointError(DflashError):
     """A checkpoint cannot be read or does not fit this run."""
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -122,12 +110,12 @@ def save_checkpoint(run_dir: Path, step: int, *, write_drafter, tensors: dict[st
                   str(tmp / "trainer_state.safetensors"))
         (tmp / "trainer_state.json").write_text(json.dumps(state, sort_keys=True))
         for f in tmp.iterdir():
-            _fsync_file(f)
-        _fsync_dir(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         if final.exists():  # a stale copy of the same step from a run that died before its metrics landed
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(d)
+        fsync_path(d)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

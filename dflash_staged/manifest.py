@@ -63,6 +63,7 @@ import numpy as np
 
 from .config import Config, config_from_dict
 from .errors import DflashError
+from .fsutil import fsync_dir, fsync_path
 
 STATES = ("pending", "claimed", "written", "consumed", "released", "kept", "failed")
 IN_WINDOW = ("claimed", "written", "consumed")
@@ -176,14 +177,6 @@ CREATE TABLE procs (
 """
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save_npy(path: Path, arr: np.ndarray) -> None:
     with open(path, "wb") as f:
         np.save(f, arr)
@@ -258,7 +251,7 @@ class Manifest:
             _save_npy(tmp / "samples" / "tokens.npy", np.ascontiguousarray(samples.tokens, dtype=np.int32))
             _save_npy(tmp / "samples" / "loss_mask.npy", np.ascontiguousarray(samples.loss_mask, dtype=np.uint8))
             _save_npy(tmp / "samples" / "offsets.npy", np.ascontiguousarray(samples.offsets, dtype=np.int64))
-            _fsync_dir(tmp / "samples")
+            fsync_dir(tmp / "samples")
             conn = sqlite3.connect(tmp / "manifest.db", isolation_level=None)
             conn.execute("PRAGMA journal_mode=DELETE")
             conn.executescript(_SCHEMA)
@@ -282,11 +275,10 @@ class Manifest:
             conn.execute("COMMIT")
             conn.execute("PRAGMA journal_mode=WAL")
             conn.close()
-            with open(tmp / "manifest.db", "rb") as f:
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_path(tmp / "manifest.db")
+            fsync_dir(tmp)
             os.rename(tmp, dir)
-            _fsync_dir(dir.parent)
+            fsync_dir(dir.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import xxhash
 
+from .fsutil import fsync_dir, fsync_path  # noqa: F401 (fsync_dir re-exported for the store)
+
 BLOCK = 1 << 20  # I/O block: small enough that its hash runs on cached bytes
 HOST = socket.gethostname()
 _os_write = os.write  # the one function that writes file bytes; tests monkeypatch it (ENOSPC, crash)
@@ -90,14 +92,6 @@ def write_file(path: Path, data, hasher=None, sync: bool = True) -> int:
     return n
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_all(paths: list[Path]) -> None:
     """fsync files and directories concurrently, returning when all are durable.
 
@@ -107,19 +101,11 @@ def fsync_all(paths: list[Path]) -> None:
     global _sync_pool
     if _sync_pool is None:
         _sync_pool = ThreadPoolExecutor(8, thread_name_prefix="dflash-fsync")
-    for fut in [_sync_pool.submit(_fsync_path, p) for p in paths]:
+    for fut in [_sync_pool.submit(fsync_path, p) for p in paths]:
         fut.result()
 
 
 _sync_pool: ThreadPoolExecutor | None = None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def prefetch(path: Path) -> None:

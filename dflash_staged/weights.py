@@ -37,6 +37,7 @@ import torch
 
 from .drafter import DFlashDrafter, DraftModelConfig
 from .errors import DflashError
+from .fsutil import fsync_path
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -50,14 +51,6 @@ HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language
 
 
 # -- drafter checkpoints ---------------------------------------------------------------------------
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def drafter_state_dict(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The parameters under their reference names, cast to ``dtype``, contiguous, on CPU."""
     return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
@@ -80,15 +73,15 @@ def save_drafter(drafter: DFlashDrafter, dir: str | Path, dtype: str | None = No
         (tmp / CONFIG_NAME).write_text(cfg.to_json())
         save_file(drafter_state_dict(drafter, _DTYPES[name]), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         for f in (CONFIG_NAME, WEIGHTS_NAME):
-            _fsync_path(tmp / f)
+            fsync_path(tmp / f)
         os.chmod(tmp, 0o755)
-        _fsync_path(tmp)
+        fsync_path(tmp)
         old = None
         if dir.exists():
             old = dir.parent / f".{dir.name}.old-{os.getpid()}"
             os.replace(dir, old)
         os.replace(tmp, dir)
-        _fsync_path(dir.parent)
+        fsync_path(dir.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
