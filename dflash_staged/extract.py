@@ -220,7 +220,10 @@ def open_store_for(m: Manifest, store_root: Path, target, cfg: Config):
 def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
     """One extract worker process. Exit code 0 = done/stopped, 3 = disk full, 2 = error."""
     _die_with_parent()
-    parent = os.getppid()
+    sup = mp.parent_process()
+    parent = sup.pid if sup is not None else os.getppid()
+    if os.getppid() != parent:  # the supervisor died before PR_SET_PDEATHSIG took effect: no orphans
+        sys.exit(EXIT_ERROR)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -359,6 +362,7 @@ def run_extract(opts: ExtractOptions) -> int:
                     if w.exitcode not in (0, EXIT_DISK_FULL) and not stopping["n"]:
                         click.echo(f"extract: worker {i} ({opts.devices[i]}, pid {w.pid}) died with exit code "
                                    f"{w.exitcode}; its job will be reclaimed, the other workers go on", err=True)
+                        _remove_dead_leftovers(opts, m)  # its half-written shard, if any
             c = m.counts()
             done = total - c["pending"] - c["claimed"] - c["failed"]
             win = m.window()
@@ -386,6 +390,7 @@ def run_extract(opts: ExtractOptions) -> int:
         _drain_status(status_q, messages)
         for msg in messages:
             click.echo(f"extract: {msg}", err=True)
+        _remove_dead_leftovers(opts, m)
         m.unregister(proc_id)
     c = m.counts()
     st = m.status()
@@ -401,6 +406,13 @@ def run_extract(opts: ExtractOptions) -> int:
     if not m.extract_done():
         return EXIT_ERROR
     return 0
+
+
+def _remove_dead_leftovers(opts: ExtractOptions, m: Manifest) -> None:
+    """Remove the temporary shards of dead writers (a worker killed mid-write leaves one behind)."""
+    from .store import ShardStore
+    if ShardStore.exists(opts.store):
+        ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id}).cleanup_temp()
 
 
 def _done_tokens(m: Manifest) -> int:

@@ -277,6 +277,8 @@ class Run:
 
     def close(self) -> None:
         self.buffer.close()
+        if not self.opts.replay and self.dist.rank == 0:
+            self.store.cleanup_temp()  # leftovers of writers that died after the last extract exited
         if not self.opts.replay:
             for p in self.m.live_procs("train"):
                 if p["pid"] == os.getpid():
@@ -411,6 +413,8 @@ def build_run(opts: TrainOptions) -> Run:
     if not opts.replay:
         _check_window(m, cfg, dist.world)
     store = _wait_for_store(opts, m, Progress(0, False))
+    if not opts.replay and dist.rank == 0:
+        store.cleanup_temp()  # half-deleted shards of a killed trainer, half-written ones of dead workers
     layer_ids = list(store.meta.layer_ids)
     num_layers, hidden, vocab = target_dims(cfg.target)
     if store.meta.hidden_size != hidden:

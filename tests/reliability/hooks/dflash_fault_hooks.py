@@ -1,0 +1,194 @@
+"""Fault injection for the reliability tests, configured by the JSON in $DFLASH_TEST_HOOKS.
+
+Patches are applied right after the named dflash_staged module is first imported (a meta-path
+hook), so nothing is imported early and spawned extract workers get the same patches.
+
+Keys (all optional):
+
+* ``enospc_flag``: path. While that file exists, the store's file writes
+  (``dflash_staged.shardfiles._os_write``) fail with ENOSPC once this process has written the
+  number of bytes the file holds (empty = 0): a disk that is full until the file is removed.
+* ``fake_target``: ``{"hidden": H, "delay_s": s}``. ``load_target`` returns a fast fake whose
+  tapped state k of token t at channel h is ``t * (k + 1) + h / 2`` (float32).
+* ``commit_log``: path. Every shard published (``ShardStore.commit_staged``) appends
+  ``"<job_id> <pid>"`` to it.
+* ``crash``: ``{point: probability}`` and ``seed``. At each named point this process SIGKILLs
+  itself with that probability (after appending ``"<point> <pid>"`` to ``crash_log``). Points:
+  ``write`` (each block written to a shard file), ``commit`` (shard renamed into place, the
+  manifest transaction not yet committed), ``delete`` (shard deleted, not yet marked released),
+  ``checkpoint_fsync`` (mid-checkpoint), ``checkpoint`` (checkpoint durable, shards not yet
+  released), ``consume`` (step marked consumed, not yet logged or checkpointed).
+* ``crash_after``: ``{point: n}``: SIGKILL this process at the n-th time it reaches ``point``.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+CFG: dict = {}
+_RNG = random.Random()
+_written = 0
+
+
+_seen: dict = {}
+
+
+def _crash(point: str) -> None:
+    p = (CFG.get("crash") or {}).get(point, 0.0)
+    _seen[point] = _seen.get(point, 0) + 1
+    if (p and _RNG.random() < p) or _seen[point] == (CFG.get("crash_after") or {}).get(point):
+        if CFG.get("crash_log"):
+            fd = os.open(CFG["crash_log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.write(fd, f"{point} {os.getpid()}\n".encode())
+            os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _patch_shardfiles(mod) -> None:
+    real = mod._os_write
+
+    def write(fd, data):
+        global _written
+        flag = CFG.get("enospc_flag")
+        if flag and os.path.exists(flag):
+            try:
+                budget = int(open(flag).read().strip() or 0)
+            except (OSError, ValueError):
+                budget = 0
+            if _written + len(data) > budget:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _crash("write")
+        n = real(fd, data)
+        _written += n
+        return n
+
+    mod._os_write = write
+
+
+def _patch_store(mod) -> None:
+    real_commit, real_delete = mod.ShardStore.commit_staged, mod.ShardStore.delete_shard
+
+    def commit_staged(self, staged):
+        real_commit(self, staged)
+        if CFG.get("commit_log"):
+            fd = os.open(CFG["commit_log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.write(fd, f"{staged.info.job_id} {os.getpid()}\n".encode())
+            os.close(fd)
+        _crash("commit")
+
+    def delete_shard(self, epoch, job_id):
+        real_delete(self, epoch, job_id)
+        _crash("delete")
+
+    mod.ShardStore.commit_staged = commit_staged
+    mod.ShardStore.delete_shard = delete_shard
+
+
+def _patch_checkpoint(mod) -> None:
+    real_save = mod.save_checkpoint
+
+    def save_checkpoint(*a, **kw):
+        out = real_save(*a, **kw)
+        _crash("checkpoint")
+        return out
+
+    mod.save_checkpoint = save_checkpoint
+    for name in ("fsync_path", "_fsync_file"):  # whichever fsyncs the checkpoint's files
+        real_fsync = getattr(mod, name, None)
+        if real_fsync is not None:
+            def fsync(path, _real=real_fsync):
+                _real(path)
+                _crash("checkpoint_fsync")
+            setattr(mod, name, fsync)
+
+
+def _patch_manifest(mod) -> None:
+    real = mod.Manifest.consume
+
+    def consume(self, *a, **kw):
+        real(self, *a, **kw)
+        _crash("consume")
+
+    mod.Manifest.consume = consume
+
+
+class FakeTarget:
+    def __init__(self, layer_ids, hidden: int, delay_s: float):
+        import torch
+        self.torch = torch
+        self.layer_ids = list(layer_ids)
+        self.hidden_size = hidden
+        self.num_layers = max(self.layer_ids) + 1
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+        self.target_id = "fake-target"
+        self.delay_s = delay_s
+
+    def capture(self, input_ids, attention_mask=None):
+        torch = self.torch
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        B, L = input_ids.shape
+        k = torch.arange(len(self.layer_ids), dtype=torch.float32).view(1, 1, -1, 1)
+        h = torch.arange(self.hidden_size, dtype=torch.float32).view(1, 1, 1, -1)
+        return input_ids.float().view(B, L, 1, 1) * (k + 1) + h / 2
+
+
+def _patch_target(mod) -> None:
+    fake = CFG["fake_target"]
+
+    def load_target(cfg, device="cpu", *, layer_ids=None, num_draft_layers=1):
+        return FakeTarget(layer_ids or [1], int(fake.get("hidden", 8)), float(fake.get("delay_s", 0.0)))
+
+    mod.load_target = load_target
+
+
+def expected_hidden(input_ids, num_layers: int, hidden: int):
+    """What FakeTarget writes for these packed ids: [T, K, H]."""
+    import torch
+    k = torch.arange(num_layers, dtype=torch.float32).view(1, -1, 1)
+    h = torch.arange(hidden, dtype=torch.float32).view(1, 1, -1)
+    return input_ids.float().view(-1, 1, 1) * (k + 1) + h / 2
+
+
+def _crashes() -> bool:
+    return bool(CFG.get("crash") or CFG.get("crash_after"))
+
+
+_PATCHES = {"dflash_staged.shardfiles": (_patch_shardfiles, lambda: "enospc_flag" in CFG or _crashes()),
+            "dflash_staged.store": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
+            "dflash_staged.checkpoint": (_patch_checkpoint, _crashes),
+            "dflash_staged.manifest": (_patch_manifest, _crashes),
+            "dflash_staged.target": (_patch_target, lambda: "fake_target" in CFG)}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES or not _PATCHES[name][1]():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        real_exec = spec.loader.exec_module
+        patch = _PATCHES[name][0]
+
+        def exec_module(module):
+            real_exec(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    CFG.update(json.loads(os.environ["DFLASH_TEST_HOOKS"]))
+    _RNG.seed(f"{CFG.get('seed', 0)}-{os.getpid()}")
+    sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,129 @@
+"""Shared helpers of the reliability suite: hooked subprocesses, store scans, end-of-run checks.
+
+Fault injection lives in ``hooks/`` (see ``hooks/dflash_fault_hooks.py``): :func:`hooked_env`
+puts that directory on PYTHONPATH with a JSON config, and every Python process started with
+that environment (the CLI and the extract workers it spawns) applies the patches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from dflash_staged.checkpoint import latest_checkpoint, load_checkpoint
+from dflash_staged.cli import main
+from dflash_staged.manifest import Manifest
+from pipeline_helpers import ROOT, env
+
+HOOKS_DIR = Path(__file__).resolve().parent / "hooks"
+if str(HOOKS_DIR) not in sys.path:
+    sys.path.append(str(HOOKS_DIR))  # expected_hidden() of the fake target, for the tests themselves
+
+
+def hooked_env(**hooks) -> dict:
+    """The pipeline test environment plus fault-injection hooks (none if no hooks are given)."""
+    e = env()
+    if hooks:
+        e["PYTHONPATH"] = os.pathsep.join([str(HOOKS_DIR), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        e["DFLASH_TEST_HOOKS"] = json.dumps(hooks)
+    return e
+
+
+def start(args: list, log: Path, environ: dict | None = None) -> subprocess.Popen:
+    """`python -m dflash_staged ARGS` with stdout+stderr appended to `log` (a file: never a full pipe)."""
+    f = open(log, "a")
+    f.write(f"$ dflash {' '.join(map(str, args))}\n")
+    f.flush()
+    p = subprocess.Popen([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT,
+                         env=environ or env(), stdout=f, stderr=subprocess.STDOUT, text=True)
+    f.close()
+    return p
+
+
+def run(args: list, environ: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT,
+                          env=environ or env(), capture_output=True, text=True, timeout=timeout)
+
+
+def cli(*args) -> tuple[int, str]:
+    """Run the CLI in this process (cheap: no interpreter start)."""
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    return res.exit_code, res.output
+
+
+def status_json(mdir: Path) -> dict:
+    code, out = cli("status", "--manifest", mdir, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+# ---------------------------------------------------------------------------------------------- the store
+def scan_store(store: Path) -> dict:
+    """Published shard directories, temporary/deletion leftovers and bytes on disk (racy but safe)."""
+    published, temps, nbytes = [], [], 0
+    shards = store / "shards"
+    if not shards.is_dir():
+        return {"published": published, "temps": temps, "bytes": 0}
+    for root, dirs, files in os.walk(store):
+        for f in files:
+            try:
+                nbytes += os.lstat(os.path.join(root, f)).st_size
+            except FileNotFoundError:
+                pass
+    for edir in shards.glob("e*"):
+        try:
+            entries = list(edir.iterdir())
+        except FileNotFoundError:
+            continue
+        for p in entries:
+            if p.name.startswith("j") and p.name[1:].isdigit():
+                published.append((int(edir.name[1:]), int(p.name[1:])))
+            elif "~" in p.name:
+                temps.append(p.name)
+    temps += [p.name for p in store.parent.glob(f".{store.name}.tmp~*")]
+    return {"published": published, "temps": temps, "bytes": nbytes}
+
+
+# ---------------------------------------------------------------------------------------------- accounting
+def assert_exactly_once(mdir: Path, run_dir: Path) -> dict:
+    """Every job of every epoch was consumed by exactly one optimizer step (final checkpoint and
+    metrics agree); every step is logged exactly once. Returns the final trainer state."""
+    with Manifest.open(mdir, readonly=True) as m:
+        all_ids = sorted(j.id for j in m.jobs())
+    ck = latest_checkpoint(run_dir)
+    assert ck is not None, f"no checkpoint in {run_dir}"
+    _, state = load_checkpoint(ck)
+    ids = [int(j[0]) for items in state["consumed"].values() for j in items]
+    dup = [i for i, n in Counter(ids).items() if n > 1]
+    assert not dup, f"jobs consumed more than once: {dup}"
+    assert sorted(ids) == all_ids, f"lost jobs: {sorted(set(all_ids) - set(ids))}"
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, state["step"] + 1))
+    assert sorted(j for x in lines for j in x["jobs"]) == all_ids
+    for x in lines:
+        assert x["jobs"] == [int(j[0]) for j in state["consumed"][str(x["step"])]], x
+    return state
+
+
+def assert_all_released_and_clean(mdir: Path, store: Path, run_dir: Path | None = None) -> dict:
+    """`dflash status --json` says everything is released; no shard and no leftover remains."""
+    st = status_json(mdir)
+    assert st["extract_done"] is True
+    assert st["jobs"]["released"] == st["total_jobs"], st["jobs"]
+    assert st["window"] == {"shards": 0, "bytes": 0}, st["window"]
+    assert st["processes"] == [], st["processes"]
+    scan = scan_store(store)
+    assert scan["published"] == [], f"unreleased shards on disk: {scan['published'][:10]}"
+    assert scan["temps"] == [], f"temporary leftovers in the store: {scan['temps'][:10]}"
+    if run_dir is not None:
+        left = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("step_")]
+        assert left == [], f"checkpoint leftovers: {left}"
+        assert not list(run_dir.glob("*.tmp-*")), list(run_dir.glob("*.tmp-*"))
+    return st

@@ -1,0 +1,97 @@
+"""Chaos: extract (2 CPU workers) and train side by side over 2+ epochs while a seeded driver
+kill -9s random processes (and processes kill themselves at chosen crash points), restarting them.
+
+Afterwards: every job of every epoch was consumed by exactly one optimizer step (final
+checkpoint and metrics), no shard failed verification, the window bound held throughout
+(sampled), no orphan worker, no leftovers, and `dflash status --json` reports all released.
+Replay a failing run with DFLASH_CHAOS_SEED=<seed printed by the run>.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from chaos import Chaos
+from dflash_staged.manifest import Manifest
+from dflash_staged.trainer_setup import target_dims
+from pipeline_helpers import write_config, write_dataset
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, cli, hooked_env, run, scan_store
+
+EXTRA = "[data]\ntoken_budget = 512\n"
+WINDOW = 16
+CRASH_TRAIN = {"consume": 0.03, "checkpoint": 0.08, "checkpoint_fsync": 0.02, "delete": 0.02}
+CRASH_EXTRACT = {"commit": 0.03, "write": 0.003}
+
+
+def plan_in_process(tmp_path, n: int, epochs: int, seed: int = 0):
+    data = write_dataset(tmp_path / "data.jsonl", n=n, seed=seed)
+    cfg = write_config(tmp_path / "cfg.toml", EXTRA)
+    mdir = tmp_path / "manifest"
+    code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", mdir, "--epochs", epochs)
+    assert code == 0, out
+    return mdir
+
+
+def max_shard_bytes(mdir) -> int:
+    with Manifest.open(mdir, readonly=True) as m:
+        _, hidden, _ = target_dims(m.config.target)
+        per_token = len(m.meta["layer_ids"]) * hidden * 4 + 5
+        return max(j.real_tokens for j in m.jobs()) * per_token + (16 << 10)
+
+
+def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float):
+    seed = int(os.environ.get("DFLASH_CHAOS_SEED") or random.SystemRandom().randrange(2**31))
+    mdir = plan_in_process(tmp_path, n, epochs)
+    store, run_dir = tmp_path / "store", tmp_path / "run"
+    chaos = Chaos(tmp_path, mdir, store, run_dir, seed=seed, kills=kills, window=WINDOW, timeout_s=timeout_s,
+                  crash_train=CRASH_TRAIN, crash_extract=CRASH_EXTRACT, shard_bytes_max=max_shard_bytes(mdir))
+    r = chaos.run()
+    kinds = {}
+    for _, kind, _ in r.kills:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    print(f"chaos seed {seed}: {len(r.kills)} kills {kinds} + {len(r.crashes)} crash-point kills "
+          f"{sorted(p for p, _ in r.crashes)}; restarts {r.restarts}; {r.samples} samples, max window "
+          f"{r.max_window}/{WINDOW}, max shard entries on disk {r.max_entries}, max store bytes {r.max_bytes}; "
+          f"{r.wall_s:.0f}s", flush=True)
+    logs = "".join((tmp_path / f).read_text() for f in ("train.log", "extract.log") if (tmp_path / f).exists())
+    assert "Traceback" not in logs, f"seed {seed}: a traceback in the logs:\n{logs[-4000:]}"
+    assert len(r.kills) >= kills, f"seed {seed}: only {len(r.kills)} kills happened"
+    assert not r.violations, f"seed {seed}: {r.violations[:5]}"
+    assert not r.orphans, f"seed {seed}: extract workers outlived their supervisor: {r.orphans}"
+    assert_exactly_once(mdir, run_dir)
+    with Manifest.open(mdir, readonly=True) as m:
+        requeued = m.events("requeue")
+        assert not requeued, f"seed {seed}: shards failed verification: {requeued[:5]}"
+    assert_all_released_and_clean(mdir, store, run_dir)
+    return r
+
+
+def test_chaos_kill9(tmp_path):
+    chaos_case(tmp_path, kills=10, n=64, epochs=2, timeout_s=400)
+
+
+@pytest.mark.slow
+def test_chaos_kill9_slow(tmp_path):
+    chaos_case(tmp_path, kills=50, n=96, epochs=4, timeout_s=1800)
+
+
+def test_killed_writer_leftovers_removed(tmp_path):
+    """Regression: a worker killed mid-write left its temporary shard until the next extract start;
+    now its supervisor removes it, and a rerun completes with exactly one shard per job."""
+    mdir = plan_in_process(tmp_path, n=12, epochs=1)
+    store = tmp_path / "store"
+    env = hooked_env(crash_after={"write": 14})  # inside each worker's first or second shard
+    r = run(["extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--window", 64], env)
+    assert r.returncode == 2 and "died with exit code -9" in r.stderr, r.stdout + r.stderr
+    assert (store / "zarr.json").is_file()
+    assert scan_store(store)["temps"] == [], "a killed worker's temporary shard was left behind"
+    r = run(["extract", "--manifest", mdir, "--store", store, "--devices", "cpu", "--window", 64])
+    assert r.returncode == 0, r.stdout + r.stderr
+    with Manifest.open(mdir, readonly=True) as m:
+        assert m.counts()["written"] == sum(m.counts().values())
+        assert sorted(scan_store(store)["published"]) == sorted((j.epoch, j.id) for j in m.jobs())
+    assert scan_store(store)["temps"] == []
