@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import time
 
 import pytest
 
@@ -19,7 +21,7 @@ from chaos import Chaos
 from dflash_staged.manifest import Manifest
 from dflash_staged.trainer_setup import target_dims
 from pipeline_helpers import write_config, write_dataset
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, cli, hooked_env, run, scan_store
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, cli, hooked_env, run, scan_store, start
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 WINDOW = 16
@@ -95,3 +97,25 @@ def test_killed_writer_leftovers_removed(tmp_path):
         assert m.counts()["written"] == sum(m.counts().values())
         assert sorted(scan_store(store)["published"]) == sorted((j.epoch, j.id) for j in m.jobs())
     assert scan_store(store)["temps"] == []
+
+
+def test_workers_exit_when_supervisor_dies_during_their_startup(tmp_path):
+    """Regression: a worker whose supervisor was killed before the worker set PR_SET_PDEATHSIG ran on
+    as an orphan, claiming and writing jobs beside any replacement. Now it exits without working."""
+    import psutil
+
+    mdir = plan_in_process(tmp_path, n=12, epochs=1)
+    p = start(["extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu,cpu", "--window", 64],
+              tmp_path / "extract.log")
+    kids: list = []
+    deadline = time.time() + 60
+    while len(kids) < 2 and time.time() < deadline:  # kill the supervisor as soon as both workers are spawned
+        kids = [c for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        time.sleep(0.01)
+    assert len(kids) == 2, "the workers were not spawned"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    gone, alive = psutil.wait_procs(kids, timeout=60)
+    assert not alive, f"orphaned workers still running: {[k.pid for k in alive]}"
+    with Manifest.open(mdir, readonly=True) as m:
+        assert m.counts()["pending"] == sum(m.counts().values()), m.counts()  # the orphans did no work
