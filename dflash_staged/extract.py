@@ -320,7 +320,7 @@ def run_extract(opts: ExtractOptions) -> int:
     if m.counts()["failed"]:
         n = m.retry_failed()
         click.echo(f"retrying {n} failed job(s)", err=True)
-    if m.extract_done():
+    if m.extract_done() and not _should_stay(m, opts):  # with a live trainer: stay for re-extractions
         st = m.status()
         click.echo(f"extract: nothing to do, every job of {st['epochs']} epoch(s) is extracted "
                    f"({st['jobs']['written']} written, {st['jobs']['released'] + st['jobs']['kept']} consumed)")
