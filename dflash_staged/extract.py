@@ -242,8 +242,9 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
                              num_draft_layers=cfg.drafter.num_hidden_layers)
         store = open_store_for(m, opts.store, target, cfg)
     except DflashError as e:
+        from .store import StoreFullError
         status_q.put(("error", rank, str(e)))
-        sys.exit(EXIT_ERROR)
+        sys.exit(EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR)
     lease = _Lease(opts)
     publisher = _Publisher(opts, store, lease)
     lease.start()
@@ -292,6 +293,10 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
         except BaseException:  # noqa: BLE001
             pass
         lease.stop.set()
+        with lease.lock:
+            unpublished = list(lease.jobs.values())
+        for job in unpublished:  # claimed, never handed to the writer (it had failed): give them back
+            m.abandon(job, "worker stopped before writing it")
         m.close()
     sys.exit(code)
 

@@ -233,6 +233,11 @@ class ShardStore:
                     if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                         raise
                 fsync_dir(parent)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreFullError(f"no space left on the disk of shard store {root} while creating it "
+                                         f"(a few KiB needed, then the shards): free space first") from None
+                raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         store = cls.open(root, expect=asdict(meta))
@@ -271,8 +276,12 @@ class ShardStore:
         if not (edir / "zarr.json").is_file():
             edir.mkdir(exist_ok=True)
             tmp = edir / temp_name("tmp", "zarr.json")
-            write_json(tmp, group_json())
-            os.replace(tmp, edir / "zarr.json")
+            try:
+                write_json(tmp, group_json())
+                os.replace(tmp, edir / "zarr.json")
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             fsync_dir(edir)
             fsync_dir(edir.parent)
         return edir
@@ -349,7 +358,12 @@ class ShardStore:
                     cu_seqlens, sample_ids) -> "StagedShard":
         """Write one shard completely (files and directories fsynced) under a temporary name."""
         arrays = self._arrays(hidden, input_ids, loss_mask, cu_seqlens, sample_ids)
-        edir = self._epoch_dir(epoch)
+        try:
+            edir = self._epoch_dir(epoch)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._full_error(epoch, job_id, arrays) from None
+            raise
         tmp = edir / temp_name("tmp", f"j{int(job_id)}")
         comp = self.meta.compression
         try:
@@ -387,15 +401,17 @@ class ShardStore:
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                need = self.estimate_nbytes(int(arrays["hidden"].shape[0]), int(arrays["sample_ids"].shape[0]))
-                raise StoreFullError(
-                    f"no space left on the disk of shard store {self.root} while writing shard "
-                    f"e{epoch}/j{job_id} ({need} bytes needed): free space or lower extract.window") from None
+                raise self._full_error(epoch, job_id, arrays) from None
             raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return StagedShard(tmp, ShardInfo(int(epoch), int(job_id), nbytes, checksum))
+
+    def _full_error(self, epoch: int, job_id: int, arrays: dict) -> StoreFullError:
+        need = self.estimate_nbytes(int(arrays["hidden"].shape[0]), int(arrays["sample_ids"].shape[0]))
+        return StoreFullError(f"no space left on the disk of shard store {self.root} while writing shard "
+                              f"e{epoch}/j{job_id} ({need} bytes needed): free space or lower extract.window")
 
     def read_attrs(self, epoch: int, job_id: int) -> dict:
         """The shard's ``dflash_shard`` attributes (sizes, checksum) without reading the data."""

@@ -7,7 +7,8 @@ Keys (all optional):
 
 * ``enospc_flag``: path. While that file exists, the store's file writes
   (``dflash_staged.shardfiles._os_write``) fail with ENOSPC once this process has written the
-  number of bytes the file holds (empty = 0): a disk that is full until the file is removed.
+  number of bytes the file holds (empty = 0; the write that crosses it is cut short): a disk that
+  fills up mid-file and stays full until the file is removed.
 * ``fake_target``: ``{"hidden": H, "delay_s": s}``. ``load_target`` returns a fast fake whose
   tapped state k of token t at channel h is ``t * (k + 1) + h / 2`` (float32).
 * ``commit_log``: path. Every shard published (``ShardStore.commit_staged``) appends
@@ -63,8 +64,10 @@ def _patch_shardfiles(mod) -> None:
                 budget = int(open(flag).read().strip() or 0)
             except (OSError, ValueError):
                 budget = 0
-            if _written + len(data) > budget:
+            room = budget - _written
+            if room <= 0:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            data = data[:room]  # a short write fills the disk; the next write fails
         _crash("write")
         n = real(fd, data)
         _written += n

@@ -1,0 +1,114 @@
+"""Disk full: store writes fail with ENOSPC (fault injection at the store's one write call).
+
+`dflash extract` must stop with exit code 3 and a message naming the store path and the bytes
+needed; every job it held goes back to `pending` (nothing stays `claimed` or becomes `failed`),
+no partial shard or temporary file is left, the shards already written stay intact; once space
+is freed, rerunning completes with one verified shard per job.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+
+import pytest
+import torch
+
+import dflash_staged.shardfiles as shardfiles
+from dflash_staged.manifest import Manifest
+from dflash_staged.store import ShardStore, StoreFullError, StoreMeta
+from pipeline_helpers import write_config, write_dataset
+from rel_helpers import cli, hooked_env, run, scan_store, status_json
+
+
+def plan(tmp_path, n=24, epochs=2):
+    data = write_dataset(tmp_path / "data.jsonl", n=n)
+    cfg = write_config(tmp_path / "cfg.toml", "[data]\ntoken_budget = 512\n")
+    code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", tmp_path / "m", "--epochs", epochs)
+    assert code == 0, out
+    return tmp_path / "m"
+
+
+def extract(mdir, store, environ=None, devices="cpu,cpu"):
+    return run(["extract", "--manifest", mdir, "--store", store, "--devices", devices, "--window", 64], environ)
+
+
+def assert_consistent_after_full(mdir, store, r):
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    msgs = re.findall(r"no space left on the disk of shard store (\S+) while (?:writing shard e\d+/j\d+ \((\d+) bytes "
+                      r"needed\)|creating it)", r.stderr)
+    assert msgs, r.stderr
+    assert all(path == str(store) for path, _ in msgs), msgs
+    st = status_json(mdir)
+    assert st["jobs"]["claimed"] == 0 and st["jobs"]["failed"] == 0, st["jobs"]
+    assert st["jobs"]["pending"] > 0 and not st["extract_done"]
+    scan = scan_store(store)
+    assert scan["temps"] == [], scan["temps"]
+    with Manifest.open(mdir, readonly=True) as m:
+        written = {(j.epoch, j.id): j for j in m.jobs("written")}
+        assert sorted(scan["published"]) == sorted(written), "a shard on disk is not marked written (or vice versa)"
+        if written:
+            s = ShardStore.open(store)
+            for j in written.values():
+                s.read_shard(j.epoch, j.id, j.checksum)  # intact and verified
+        abandons = [e for e in m.events("abandon") if "disk full" in (e["detail"] or "")]
+    return msgs, abandons
+
+
+def complete_after_freeing(mdir, store, flag, environ):
+    flag.unlink()  # space freed
+    r = extract(mdir, store, environ)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with Manifest.open(mdir, readonly=True) as m:
+        jobs = m.jobs()
+        assert all(j.state == "written" for j in jobs)
+        s = ShardStore.open(store)
+        assert sorted(scan_store(store)["published"]) == sorted((j.epoch, j.id) for j in jobs)
+        for j in jobs:
+            assert s.read_shard(j.epoch, j.id, j.checksum).hidden.shape[0] == j.real_tokens
+    assert scan_store(store)["temps"] == []
+
+
+def test_disk_fills_mid_run_then_rerun_completes(tmp_path):
+    mdir, store, flag = plan(tmp_path), tmp_path / "store", tmp_path / "disk-full"
+    flag.write_text("400000")  # each worker may write ~400 KB (one or two shards), then the disk is full
+    environ = hooked_env(enospc_flag=str(flag))
+    msgs, abandons = assert_consistent_after_full(mdir, store, extract(mdir, store, environ))
+    assert any(need for _, need in msgs) and all(int(need) > 0 for _, need in msgs if need), msgs
+    assert abandons, "the job being written was not given back"
+    assert status_json(mdir)["jobs"]["written"] >= 1
+    complete_after_freeing(mdir, store, flag, environ)
+
+
+def test_disk_full_from_the_start_then_rerun_completes(tmp_path):
+    mdir, store, flag = plan(tmp_path, n=12, epochs=1), tmp_path / "store", tmp_path / "disk-full"
+    flag.write_text("0")
+    environ = hooked_env(enospc_flag=str(flag))
+    msgs, _ = assert_consistent_after_full(mdir, store, extract(mdir, store, environ, devices="cpu"))
+    assert not store.exists() and not list(tmp_path.glob(".store.tmp~*")), "a half-created store was left"
+    complete_after_freeing(mdir, store, flag, environ)
+
+
+def _meta():
+    return StoreMeta(manifest_id="m", target_id="t", layer_ids=[1, 2], hidden_size=4, logical_dtype="float32")
+
+
+def _full_disk(monkeypatch):
+    def write(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shardfiles, "_os_write", write)
+
+
+def test_full_disk_when_creating_store_or_epoch_is_store_full_error(tmp_path, monkeypatch):
+    """Regression: ENOSPC while creating the store or a new epoch directory escaped as a raw OSError
+    (a traceback, and the job counted as a write error towards `failed`)."""
+    store = ShardStore.create_or_open(tmp_path / "store", _meta())
+    _full_disk(monkeypatch)
+    with pytest.raises(StoreFullError, match=r"shard store .*store while writing shard e7/j3 \(\d+ bytes needed\)"):
+        store.stage_shard(7, 3, torch.zeros(5, 2, 4), torch.arange(5) + 4, torch.ones(5), torch.tensor([0, 5]),
+                          torch.tensor([0]))
+    assert scan_store(tmp_path / "store")["temps"] == []
+    with pytest.raises(StoreFullError, match="while creating it"):
+        ShardStore.create_or_open(tmp_path / "store2", _meta())
+    assert not (tmp_path / "store2").exists() and not list(tmp_path.glob(".store2.tmp~*"))
