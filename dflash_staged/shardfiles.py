@@ -165,7 +165,11 @@ def owner_dead(name: str, stale_s: float, path: Path) -> bool:
         return True
     except PermissionError:
         return False
-    return False
+    try:  # a zombie (killed, not yet reaped: e.g. no init reaping in a container) is dead too
+        with open(f"/proc/{int(parts[1])}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def zstd():

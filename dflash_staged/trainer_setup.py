@@ -360,6 +360,8 @@ def _load_order(path: Path) -> dict[int, list[int]]:
 
 def _rewrite_metrics(path: Path, upto: int) -> None:
     """Keep only complete lines with step <= upto, atomically."""
+    for stale in path.parent.glob(path.name + ".tmp-*"):  # a rewrite killed midway
+        stale.unlink(missing_ok=True)
     if not path.exists():
         return
     keep = []

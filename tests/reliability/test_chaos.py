@@ -119,3 +119,29 @@ def test_workers_exit_when_supervisor_dies_during_their_startup(tmp_path):
     assert not alive, f"orphaned workers still running: {[k.pid for k in alive]}"
     with Manifest.open(mdir, readonly=True) as m:
         assert m.counts()["pending"] == sum(m.counts().values()), m.counts()  # the orphans did no work
+
+
+def test_cleanup_treats_zombie_writers_as_dead(tmp_path):
+    """Regression: a writer killed but not yet reaped (a zombie: e.g. workers of a killed supervisor in a
+    container whose init does not reap) counted as alive, so its temporary shard was never removed."""
+    import socket
+    import subprocess
+
+    from dflash_staged.store import ShardStore, StoreMeta
+
+    store = ShardStore.create_or_open(tmp_path / "store", StoreMeta(manifest_id="m", target_id="t", layer_ids=[1],
+                                                                    hidden_size=4, logical_dtype="float32"))
+    zombie = subprocess.Popen(["true"])  # exits at once; not waited for, so it stays a zombie
+    deadline = time.time() + 10
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.time() < deadline
+        time.sleep(0.01)
+    edir = tmp_path / "store" / "shards" / "e0"
+    edir.mkdir()
+    leftover = edir / f".tmp~j5~{zombie.pid}~deadbeef~{socket.gethostname()}"
+    leftover.mkdir()
+    live = edir / f".tmp~j6~{os.getpid()}~deadbeef~{socket.gethostname()}"  # a live writer's: kept
+    live.mkdir()
+    assert store.cleanup_temp() == 1
+    assert not leftover.exists() and live.exists()
+    zombie.wait()

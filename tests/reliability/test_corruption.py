@@ -119,6 +119,8 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int, during_rounds: i
         corrupt(store, job, kind, rng, other)
         damaged[job.id] = [kind]
 
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl.tmp-999999").write_text("{}\n")  # a metrics rewrite killed midway
     tr = start(["train", "--manifest", mdir, "--store", store_dir, "--out", run_dir], tmp_path / "train.log")
     procs = [tr]
     try:
