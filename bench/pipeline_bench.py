@@ -160,7 +160,7 @@ def run_staged(jobs: int, a) -> dict:
                 break
             picked, buckets = [], set()
             while len(picked) < a.grad_accum and len(buf):
-                e = buf.draw(buckets, gen)
+                e = buf.draw(buckets, gen, prefer_read=True)  # as the live trainer draws
                 shard, w = buf.load(e)
                 wait += w
                 buckets.add(e.bucket)

@@ -73,12 +73,19 @@ class ShardBuffer:
             fut = self.pool.submit(self.store.read_shard, job.epoch, job.id, job.checksum, self.verify)
             self.entries.append(Entry(job, fut))
 
-    def draw(self, exclude_buckets: set[int], gen: torch.Generator) -> Entry:
-        """Remove and return a uniformly random entry, preferring buckets not in `exclude_buckets`."""
+    def draw(self, exclude_buckets: set[int], gen: torch.Generator, prefer_read: bool = False) -> Entry:
+        """Remove and return a uniformly random entry, preferring buckets not in `exclude_buckets`.
+
+        With `prefer_read` (the live trainer), entries whose background read has finished are
+        preferred among those, so a step rarely waits on disk; replay leaves it off, keeping its
+        draws a pure function of the admissions and the generator.
+        """
         if not self.entries:
             raise IndexError("draw from an empty buffer")
         candidates = [i for i, e in enumerate(self.entries) if e.bucket not in exclude_buckets] \
             or list(range(len(self.entries)))
+        if prefer_read:
+            candidates = [i for i in candidates if self.entries[i].future.done()] or candidates
         k = int(torch.randint(len(candidates), (1,), generator=gen).item())
         return self.entries.pop(candidates[k])
 

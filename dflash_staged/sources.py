@@ -31,6 +31,8 @@ class Forced:
 
 
 class LiveSource:
+    live = True
+
     def __init__(self, manifest: Manifest, store, trainer_id: str, rank: int):
         self.m, self.store, self.trainer_id, self.rank = manifest, store, trainer_id, rank
         self._no_extractor_since: float | None = None
@@ -87,6 +89,8 @@ class LiveSource:
 
 class ReplaySource:
     """Kept shards of a manifest, in written order, `passes` times; or a recorded order."""
+
+    live = False
 
     def __init__(self, manifest: Manifest, store, passes: int = 1, order: dict[int, list[int]] | None = None):
         self.m, self.store = manifest, store

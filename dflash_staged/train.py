@@ -110,7 +110,7 @@ def gather_step(run, stop) -> StepData | None:
         data.wait_s += w
         data.shards.append((forced.job, shard))
     while len(data.shards) < run.cfg.train.grad_accum and len(run.buffer):
-        entry = run.buffer.draw(buckets, run.draw_gen)
+        entry = run.buffer.draw(buckets, run.draw_gen, prefer_read=run.source.live)
         try:
             shard, w = run.buffer.load(entry)
         except ShardError as e:
@@ -135,7 +135,9 @@ def train_loop(run) -> int:
         data = gather_step(run, stop)
         local_jobs = [] if data is None else data.shards
         if not dist.any(len(local_jobs) > 0):
-            break
+            if stop or not dist.any(not run.source.finished()):
+                break  # drained (or stopping)
+            continue  # every shard drawn failed verification and went back to extract: wait for more
         t_step = time.perf_counter()
 
         # ---- forward / backward over every microbatch of every shard ------------------------------
