@@ -25,8 +25,9 @@ from rel_helpers import assert_all_released_and_clean, assert_exactly_once, cli,
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 WINDOW = 16
-CRASH_TRAIN = {"consume": 0.03, "checkpoint": 0.08, "checkpoint_fsync": 0.02, "delete": 0.02}
-CRASH_EXTRACT = {"commit": 0.03, "write": 0.003}
+# crash-point self-kills (per occurrence), on top of the driver's kills
+CRASH_TRAIN = {"consume": 0.02, "checkpoint": 0.05, "checkpoint_fsync": 0.01, "delete": 0.01}
+CRASH_EXTRACT = {"commit": 0.02, "write": 0.002}
 
 
 def plan_in_process(tmp_path, n: int, epochs: int, seed: int = 0):

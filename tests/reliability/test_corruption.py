@@ -38,7 +38,8 @@ def chunk(d, name):
     return next(p for p in (d / name).iterdir() if p.name.startswith("c"))
 
 
-def corrupt(store: ShardStore, job, kind: str, rng: random.Random, other=None) -> None:
+def corrupt(store: ShardStore, job, kind: str, rng: random.Random, others: dict) -> None:
+    """Damage job's shard; ``others`` maps job id -> a directory holding that job's intact shard."""
     d = store.shard_path(job.epoch, job.id)
     if kind.startswith("flip_"):
         f = chunk(d, {"flip_hidden": "hidden", "flip_ids": "input_ids", "flip_cu": "cu_seqlens"}[kind])
@@ -64,7 +65,7 @@ def corrupt(store: ShardStore, job, kind: str, rng: random.Random, other=None) -
         (d / "zarr.json").unlink()
     elif kind == "other_job":  # a complete, self-consistent shard, but of another job
         shutil.rmtree(d)
-        shutil.copytree(store.shard_path(other.epoch, other.id), d)
+        shutil.copytree(others[rng.choice(sorted(set(others) - {job.id}))], d)
     else:  # edit_digest: the shard's own checksum no longer matches the one the manifest recorded
         assert kind == "edit_digest"
         meta = json.loads((d / "zarr.json").read_text())
@@ -91,7 +92,7 @@ def wait_for(cond, timeout: float, what: str, procs=()):
         time.sleep(0.05)
 
 
-def corruption_case(tmp_path, n: int, epochs: int, before: int, during_rounds: int, seed: int):
+def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_rounds: int, seed: int):
     rng = random.Random(seed)
     print(f"corruption seed {seed}", flush=True)
     mdir = plan(tmp_path, n, epochs)
@@ -111,12 +112,15 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int, during_rounds: i
         leftover.mkdir()
         (leftover / "junk").write_bytes(b"x" * 1000)
 
+    pristine = {}  # intact shards of two jobs, the source of "other_job" damage
+    for j in jobs[:2]:
+        pristine[j.id] = shutil.copytree(store.shard_path(j.epoch, j.id), tmp_path / "pristine" / str(j.id))
     damaged: dict[int, list[str]] = {}  # job -> the damage done to its successive shards
     kinds = list(KINDS)
     rng.shuffle(kinds)
+    before = len(jobs) if before is None else before
     for job, kind in zip(rng.sample(jobs, before), kinds * (1 + before // len(kinds))):
-        other = rng.choice([j for j in jobs if j.id != job.id and j.id not in damaged])
-        corrupt(store, job, kind, rng, other)
+        corrupt(store, job, kind, rng, pristine)
         damaged[job.id] = [kind]
 
     run_dir.mkdir()
@@ -145,10 +149,7 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int, during_rounds: i
                            and requeued.count(j.id) == len(damaged.get(j.id, []))]
                 for job in rng.sample(untaken, min(2, len(untaken))):
                     kind = rng.choice(kinds)
-                    if kind == "other_job" and not store.has_shard(job.epoch, job.id):
-                        kind = "flip_hidden"
-                    candidates = [j for j in m.jobs("written") if j.id != job.id and store.has_shard(j.epoch, j.id)]
-                    corrupt(store, job, kind, rng, rng.choice(candidates) if candidates else None)
+                    corrupt(store, job, kind, rng, pristine)
                     damaged.setdefault(job.id, []).append(kind)
             finally:
                 tr.send_signal(signal.SIGCONT)
@@ -188,7 +189,9 @@ def _dead_pid() -> int:
 
 
 def test_corruption_detected_and_reextracted(tmp_path):
-    corruption_case(tmp_path, n=40, epochs=2, before=len(KINDS), during_rounds=2,
+    # every shard damaged before training: the trainer's first draws all fail verification and it must
+    # wait for re-extraction (regression: it took the empty step for "drained" and exited 0 untrained)
+    corruption_case(tmp_path, n=40, epochs=2, before=None, during_rounds=2,
                     seed=int(os.environ.get("DFLASH_CORRUPT_SEED") or random.SystemRandom().randrange(2**31)))
 
 
