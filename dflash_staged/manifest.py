@@ -245,6 +245,10 @@ class Manifest:
             return m
         dir.parent.mkdir(parents=True, exist_ok=True)
         _check_local_fs(dir.parent)
+        for old in dir.parent.glob(f".{dir.name}.tmp-*"):  # left by a `plan` killed midway
+            pid = old.name[len(dir.name) + 6:].split("-", 1)[0]
+            if pid.isdigit() and not pid_alive(HOST, int(pid), None):
+                shutil.rmtree(old, ignore_errors=True)
         tmp = dir.parent / f".{dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             (tmp / "samples").mkdir(parents=True)

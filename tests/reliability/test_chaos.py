@@ -146,3 +146,19 @@ def test_cleanup_treats_zombie_writers_as_dead(tmp_path):
     assert store.cleanup_temp() == 1
     assert not leftover.exists() and live.exists()
     zombie.wait()
+
+
+def test_plan_killed_midway_leaves_nothing(tmp_path):
+    """Regression: `dflash plan` killed while writing the manifest left its temporary directory for good;
+    the next plan of that manifest now removes it (its creator is dead) and completes."""
+    data = write_dataset(tmp_path / "data.jsonl", n=12)
+    cfg = write_config(tmp_path / "cfg.toml", EXTRA)
+    args = ["plan", "--config", cfg, "--data", data, "--manifest", tmp_path / "manifest"]
+    r = run(args, hooked_env(crash_after={"manifest_npy": 2}))
+    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    assert not (tmp_path / "manifest").exists()
+    assert list(tmp_path.glob(".manifest.tmp-*")), "the crash point was not reached"
+    r = run(args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "manifest" / "manifest.db").is_file()
+    assert not list(tmp_path.glob(".manifest.tmp-*"))

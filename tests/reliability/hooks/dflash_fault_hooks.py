@@ -18,7 +18,8 @@ Keys (all optional):
   ``write`` (each block written to a shard file), ``commit`` (shard renamed into place, the
   manifest transaction not yet committed), ``delete`` (shard deleted, not yet marked released),
   ``checkpoint_fsync`` (mid-checkpoint), ``checkpoint`` (checkpoint durable, shards not yet
-  released), ``consume`` (step marked consumed, not yet logged or checkpointed).
+  released), ``consume`` (step marked consumed, not yet logged or checkpointed), ``manifest_npy``
+  (`dflash plan` has written one of the manifest's sample arrays under its temporary name).
 * ``crash_after``: ``{point: n}``: SIGKILL this process at the n-th time it reaches ``point``.
 """
 
@@ -114,13 +115,18 @@ def _patch_checkpoint(mod) -> None:
 
 
 def _patch_manifest(mod) -> None:
-    real = mod.Manifest.consume
+    real, real_npy = mod.Manifest.consume, mod._save_npy
 
     def consume(self, *a, **kw):
         real(self, *a, **kw)
         _crash("consume")
 
+    def save_npy(*a, **kw):
+        real_npy(*a, **kw)
+        _crash("manifest_npy")
+
     mod.Manifest.consume = consume
+    mod._save_npy = save_npy
 
 
 class FakeTarget:
