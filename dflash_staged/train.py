@@ -18,17 +18,11 @@ Consumption contract (see also :mod:`dflash_staged.manifest`):
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-
-from .errors import DflashError
 from .store import ShardError
 
 WAIT_POLL_S = 0.25

@@ -12,15 +12,15 @@ import json
 import os
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from . import checkpoint as ckpt
 from .buffer import ShardBuffer, bound_host_memory
+from .distributed import Dist
+from .progress import Progress
 from .config import REPLAY_OVERRIDABLE, Config, apply_overrides
 from .errors import DflashError
 from .manifest import Manifest
@@ -43,110 +43,6 @@ class TrainOptions:
     verify: bool = True
     max_steps: int | None = None
     tensorboard: bool = False
-
-
-# ---------------------------------------------------------------------------------------------- distributed
-class Dist:
-    """torch.distributed when launched by torchrun (WORLD_SIZE > 1), else a no-op single rank."""
-
-    def __init__(self, device: torch.device):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.enabled = self.world > 1
-        if self.enabled:
-            import torch.distributed as td
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            td.init_process_group(backend)
-            self.td = td
-        self.device = device
-        self.group_id = os.environ.get("TORCHELASTIC_RUN_ID") or \
-            (f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if self.enabled else uuid.uuid4().hex)
-
-    def any(self, flag: bool) -> bool:
-        return self.sum_int(int(flag)) > 0
-
-    def sum_int(self, n: int) -> int:
-        if not self.enabled:
-            return n
-        t = torch.tensor([n], dtype=torch.long, device=self._comm_device())
-        self.td.all_reduce(t)
-        return int(t.item())
-
-    def _comm_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
-    def all_reduce_(self, tensors: list[torch.Tensor]) -> None:
-        if not self.enabled or not tensors:
-            return
-        flat = torch.cat([t.reshape(-1).float() for t in tensors]).to(self._comm_device())
-        self.td.all_reduce(flat)
-        off = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[off:off + n].view_as(t).to(t.device, t.dtype))
-            off += n
-
-    def gather_jobs(self, items: list) -> list:
-        if not self.enabled:
-            return list(items)
-        out: list[Any] = [None] * self.world
-        self.td.all_gather_object(out, items)
-        return [x for part in out for x in part]
-
-    def gather_obj(self, obj) -> list:
-        if not self.enabled:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self.td.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.enabled:
-            self.td.barrier()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.td.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------- progress
-class Progress:
-    """One status line on stderr: a tqdm bar on a terminal, plain lines otherwise."""
-
-    def __init__(self, total: int, enabled: bool, start: int = 0):
-        self.enabled = enabled
-        self.bar = None
-        self.last = 0.0
-        self.total = total
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr)
-
-    def waiting(self, ready: int, need: int) -> None:
-        self._say(f"waiting for shards: {ready}/{need} ready", force=False)
-
-    def step(self, step: int, loss, tok_s: float, buf: int, cap: int) -> None:
-        msg = f"loss {loss:.4f}" if loss is not None else "loss -"
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix_str(f"{msg} | {tok_s:,.0f} tok/s | buffer {buf}/{cap}")
-        else:
-            self._say(f"step {step}/{self.total} | {msg} | {tok_s:,.0f} tok/s | buffer {buf}/{cap}", force=False)
-
-    def _say(self, text: str, force: bool) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.set_description_str(text if text.startswith("waiting") else "train")
-            self.bar.refresh()
-            return
-        if force or time.time() - self.last > 2.0:
-            print(f"train: {text}", file=sys.stderr, flush=True)
-            self.last = time.time()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _gen_state(g: torch.Generator) -> str:

@@ -4,13 +4,12 @@ import os
 import signal
 import time
 
-import pytest
 import torch
 
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 from dflash_staged.target import load_target
-from pipeline_helpers import dflash, plan, run_dflash, sample_while
+from pipeline_helpers import dflash, plan, run_dflash
 
 
 def _window(mdir):

@@ -1,9 +1,7 @@
 """Manifest state machine: claims, leases, dead-pid reclaim, failures, window, trainer resume."""
 
-import json
 import multiprocessing as mp
 import os
-import signal
 import subprocess
 import sys
 import time
