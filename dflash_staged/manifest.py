@@ -49,12 +49,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import socket
 import sqlite3
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -62,66 +58,18 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from .config import Config, config_from_dict
-from .errors import DflashError
-from .fsutil import fsync_dir, fsync_path
+from .manifest_build import (FORMAT_VERSION, ONE_HOST, ManifestError, check_local_fs, diff_dicts,  # noqa: F401
+                             write_manifest_dir)
+from .procs import my_identity, pid_alive
 
 STATES = ("pending", "claimed", "written", "consumed", "released", "kept", "failed")
 IN_WINDOW = ("claimed", "written", "consumed")
-FORMAT_VERSION = 1
-ONE_HOST = ("the SQLite manifest is for one host: keep it on a local disk (not NFS) of the node "
-            "that runs both extract and train")
-_NETWORK_FS = {"nfs", "nfs4", "cifs", "smbfs", "smb3", "fuse.sshfs", "9p", "lustre", "gpfs", "glusterfs",
-               "ceph", "fuse.glusterfs"}
-
-
-class ManifestError(DflashError):
-    """The manifest is missing, inconsistent or refuses an operation."""
-
-
 class ManifestMismatchError(ManifestError):
     """An existing manifest was planned from different inputs."""
 
 
 class TrainerBusyError(ManifestError):
     """Another trainer already consumes this manifest."""
-
-
-HOST = socket.gethostname()
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (Linux /proc), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[19])  # field 22 overall; fields after the ")" start at field 3
-
-
-MY_PID = os.getpid()
-
-
-def my_identity() -> tuple[str, int, int]:
-    pid = os.getpid()
-    return HOST, pid, process_start_time(pid) or 0
-
-
-def pid_alive(host: str | None, pid: int | None, start: int | None) -> bool:
-    """True unless we can prove the process is gone (only provable on this host)."""
-    if host != HOST or pid is None:
-        return True
-    now_start = process_start_time(pid)
-    if now_start is None:
-        return False
-    if start and now_start != start:
-        return False  # pid reused by another process
-    try:  # a zombie still has /proc; treat it as dead
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().decode(errors="replace").rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @dataclass
@@ -159,56 +107,6 @@ class ClaimResult:
     nothing_left: bool = False
 
 
-_SCHEMA = """
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE jobs (
-  id INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, pos INTEGER NOT NULL, bucket INTEGER NOT NULL,
-  sample_ids TEXT NOT NULL, real_tokens INTEGER NOT NULL, padded_tokens INTEGER NOT NULL,
-  state TEXT NOT NULL DEFAULT 'pending',
-  worker TEXT, host TEXT, pid INTEGER, pid_start INTEGER, lease_until REAL,
-  attempts INTEGER NOT NULL DEFAULT 0, errors INTEGER NOT NULL DEFAULT 0, error TEXT,
-  shard_bytes INTEGER, checksum TEXT, written_seq INTEGER,
-  taken_by TEXT, rank INTEGER, step INTEGER, updated REAL);
-CREATE INDEX jobs_state ON jobs(state, epoch, pos);
-CREATE TABLE events (id INTEGER PRIMARY KEY, t REAL NOT NULL, job INTEGER, kind TEXT NOT NULL, detail TEXT);
-CREATE TABLE procs (
-  id TEXT PRIMARY KEY, role TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, pid_start INTEGER,
-  group_id TEXT, rank INTEGER, started REAL, heartbeat REAL, info TEXT);
-"""
-
-
-def _save_npy(path: Path, arr: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _check_local_fs(path: Path) -> None:
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return
-    best, fstype = "", ""
-    p = str(path.resolve())
-    for line in mounts:
-        parts = line.split()
-        if len(parts) >= 3 and (p == parts[1] or p.startswith(parts[1].rstrip("/") + "/")) \
-                and len(parts[1]) > len(best):
-            best, fstype = parts[1], parts[2]
-    if fstype in _NETWORK_FS:
-        raise ManifestError(f"{path} is on a {fstype} filesystem; {ONE_HOST}")
-
-
-def _diff_dicts(a: Any, b: Any, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b)):
-            out += _diff_dicts(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
-    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} -> {b!r}"]
-
-
 class Manifest:
     """Handle on a manifest directory. Open one per process; not shared across threads."""
 
@@ -235,7 +133,7 @@ class Manifest:
             m = cls.open(dir)
             have = {"config": m.config.to_dict(), "data_hash": m.meta["data_hash"], "epochs": m.meta["epochs"],
                     "seed": m.meta["seed"]}
-            diffs = _diff_dicts(have, wanted)
+            diffs = diff_dicts(have, wanted)
             if diffs:
                 m.close()
                 raise ManifestMismatchError(
@@ -243,49 +141,8 @@ class Manifest:
                     f"{'; ...' if len(diffs) > 8 else ''}); use another --manifest directory, or delete "
                     f"{dir} to re-plan")
             return m
-        dir.parent.mkdir(parents=True, exist_ok=True)
-        _check_local_fs(dir.parent)
-        for old in dir.parent.glob(f".{dir.name}.tmp-*"):  # left by a `plan` killed midway
-            pid = old.name[len(dir.name) + 6:].split("-", 1)[0]
-            if pid.isdigit() and not pid_alive(HOST, int(pid), None):
-                shutil.rmtree(old, ignore_errors=True)
-        tmp = dir.parent / f".{dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            (tmp / "samples").mkdir(parents=True)
-            _save_npy(tmp / "samples" / "tokens.npy", np.ascontiguousarray(samples.tokens, dtype=np.int32))
-            _save_npy(tmp / "samples" / "loss_mask.npy", np.ascontiguousarray(samples.loss_mask, dtype=np.uint8))
-            _save_npy(tmp / "samples" / "offsets.npy", np.ascontiguousarray(samples.offsets, dtype=np.int64))
-            fsync_dir(tmp / "samples")
-            conn = sqlite3.connect(tmp / "manifest.db", isolation_level=None)
-            conn.execute("PRAGMA journal_mode=DELETE")
-            conn.executescript(_SCHEMA)
-            n_batches = len(plan.batches)
-            meta = {
-                "format_version": FORMAT_VERSION, "manifest_id": uuid.uuid4().hex, "created": time.time(),
-                "config": config.to_dict(), "config_hash": config.plan_hash(), "data_path": str(data_path),
-                "data_hash": data_hash, "target_id": config.target.model, "layer_ids": layer_ids,
-                "epochs": plan.epochs, "seed": plan.seed, "n_batches": n_batches, "n_samples": len(samples.offsets) - 1,
-                "bucket_edges": list(map(int, plan.edges)), "padding_waste": float(plan.padding_waste),
-                "tokens_real": int(plan.tokens_real), "tokens_padded": int(plan.tokens_padded),
-                "ingest_stats": samples.stats, "bytes_per_token": 0, **(extra_meta or {}),
-            }
-            conn.execute("BEGIN")
-            conn.executemany("INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()])
-            conn.executemany(
-                "INSERT INTO jobs (id, epoch, pos, bucket, sample_ids, real_tokens, padded_tokens) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                ((j.epoch * n_batches + j.pos, j.epoch, j.pos, j.bucket, json.dumps(list(map(int, j.sample_ids))),
-                  int(j.real_tokens), int(j.padded_tokens)) for j in plan.jobs()))
-            conn.execute("COMMIT")
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.close()
-            fsync_path(tmp / "manifest.db")
-            fsync_dir(tmp)
-            os.rename(tmp, dir)
-            fsync_dir(dir.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        write_manifest_dir(dir, config=config, samples=samples, plan=plan, data_path=data_path,
+                           data_hash=data_hash, layer_ids=layer_ids, extra_meta=extra_meta)
         return cls.open(dir)
 
     @classmethod
@@ -295,7 +152,7 @@ class Manifest:
         if not db.is_file():
             raise ManifestError(f"no manifest at {dir} (missing {db.name}); run `dflash plan --manifest {dir}` first")
         if not readonly:
-            _check_local_fs(dir)
+            check_local_fs(dir)
         uri = f"file:{db}?mode=ro" if readonly else f"file:{db}"
         try:
             conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=120.0, check_same_thread=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch
 import xxhash
 
 from .fsutil import fsync_dir, fsync_path  # noqa: F401 (fsync_dir re-exported for the store)
+from .procs import HOST, pid_alive
 
 BLOCK = 1 << 20  # I/O block: small enough that its hash runs on cached bytes
-HOST = socket.gethostname()
 _os_write = os.write  # the one function that writes file bytes; tests monkeypatch it (ENOSPC, crash)
 
 
@@ -159,17 +158,7 @@ def owner_dead(name: str, stale_s: float, path: Path) -> bool:
             return time.time() - path.lstat().st_mtime > stale_s
         except FileNotFoundError:
             return False
-    try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:  # a zombie (killed, not yet reaped: e.g. no init reaping in a container) is dead too
-        with open(f"/proc/{int(parts[1])}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
+    return not pid_alive(HOST, int(parts[1]), None)  # gone, or a zombie (killed, not yet reaped)
 
 
 def zstd():

@@ -1,0 +1,48 @@
+"""Process identity on this host: (host, pid, start time), since pids are reused.
+
+The manifest records it for claims and for running extract/train processes; a claim or a
+process is dead when its pid is gone, reused (another start time) or a zombie. Liveness can
+only be proven on the same host: elsewhere a claim waits for its lease to expire.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+HOST = socket.gethostname()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (Linux /proc), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[19])  # field 22 overall; fields after the ")" start at field 3
+
+
+MY_PID = os.getpid()
+
+
+def my_identity() -> tuple[str, int, int]:
+    pid = os.getpid()
+    return HOST, pid, process_start_time(pid) or 0
+
+
+def pid_alive(host: str | None, pid: int | None, start: int | None) -> bool:
+    """True unless we can prove the process is gone (only provable on this host)."""
+    if host != HOST or pid is None:
+        return True
+    now_start = process_start_time(pid)
+    if now_start is None:
+        return False
+    if start and now_start != start:
+        return False  # pid reused by another process
+    try:  # a zombie still has /proc; treat it as dead
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().decode(errors="replace").rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
