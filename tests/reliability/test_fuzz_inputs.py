@@ -265,10 +265,23 @@ def toml_value(v) -> str:
     if isinstance(v, float):
         return {float("inf"): "inf", float("-inf"): "-inf"}.get(v, "nan" if v != v else repr(v))
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{toml_str(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, list):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    return json.dumps(v) if isinstance(v, str) else str(v)
+    return toml_str(v) if isinstance(v, str) else str(v)
+
+
+def toml_str(s: str) -> str:
+    """A TOML basic string (json.dumps would write astral characters as surrogate escapes, invalid TOML)."""
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def render(cfg: dict) -> str:
@@ -390,6 +403,7 @@ def _config_case(case):
 @example(case=(b"[train]\nlr = inf\n", ["train.lr", "not a finite number"], True))
 @example(case=(b"[drafter]\nmask_token_id = 99999\n", ["drafter.mask_token_id", "outside the target vocabulary"],
                True))
+@example(case=(b"[data]\nbucket_edges = \"\xf0\x90\x80\x80\"\n", ["data.bucket_edges", "expected"], True))
 def test_fuzz_config_files(case):
     _config_case(case)
 
