@@ -115,17 +115,25 @@ def _patch_checkpoint(mod) -> None:
 
 
 def _patch_manifest(mod) -> None:
-    real, real_npy = mod.Manifest.consume, mod._save_npy
+    real = mod.Manifest.consume
 
     def consume(self, *a, **kw):
         real(self, *a, **kw)
         _crash("consume")
 
+    mod.Manifest.consume = consume
+    _patch_manifest_build(mod)
+
+
+def _patch_manifest_build(mod) -> None:
+    real_npy = getattr(mod, "_save_npy", None)  # manifest creation (manifest_build, or manifest itself)
+    if real_npy is None:
+        return
+
     def save_npy(*a, **kw):
         real_npy(*a, **kw)
         _crash("manifest_npy")
 
-    mod.Manifest.consume = consume
     mod._save_npy = save_npy
 
 
@@ -176,6 +184,7 @@ _PATCHES = {"dflash_staged.shardfiles": (_patch_shardfiles, lambda: "enospc_flag
             "dflash_staged.store": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
             "dflash_staged.checkpoint": (_patch_checkpoint, _crashes),
             "dflash_staged.manifest": (_patch_manifest, _crashes),
+            "dflash_staged.manifest_build": (_patch_manifest_build, _crashes),
             "dflash_staged.target": (_patch_target, lambda: "fake_target" in CFG)}
 
 
