@@ -70,23 +70,21 @@ def complete_after_freeing(mdir, store, flag, environ):
     assert scan_store(store)["temps"] == []
 
 
-def test_disk_fills_mid_run_then_rerun_completes(tmp_path):
+def test_disk_full_then_freed(tmp_path):
     mdir, store, flag = plan(tmp_path), tmp_path / "store", tmp_path / "disk-full"
-    flag.write_text("400000")  # each worker may write ~400 KB (one or two shards), then the disk is full
     environ = hooked_env(enospc_flag=str(flag))
+    # 1. the disk is full from the start: not even the store can be created
+    flag.write_text("0")
+    msgs, _ = assert_consistent_after_full(mdir, store, extract(mdir, store, environ, devices="cpu"))
+    assert all(need == "" for _, need in msgs), msgs  # "while creating it"
+    assert not store.exists() and not list(tmp_path.glob(".store.tmp~*")), "a half-created store was left"
+    # 2. the disk fills up mid-run: each worker may write ~400 KB (one or two shards, the last one cut short)
+    flag.write_text("400000")
     msgs, abandons = assert_consistent_after_full(mdir, store, extract(mdir, store, environ))
     assert any(need for _, need in msgs) and all(int(need) > 0 for _, need in msgs if need), msgs
     assert abandons, "the job being written was not given back"
     assert status_json(mdir)["jobs"]["written"] >= 1
-    complete_after_freeing(mdir, store, flag, environ)
-
-
-def test_disk_full_from_the_start_then_rerun_completes(tmp_path):
-    mdir, store, flag = plan(tmp_path, n=12, epochs=1), tmp_path / "store", tmp_path / "disk-full"
-    flag.write_text("0")
-    environ = hooked_env(enospc_flag=str(flag))
-    msgs, _ = assert_consistent_after_full(mdir, store, extract(mdir, store, environ, devices="cpu"))
-    assert not store.exists() and not list(tmp_path.glob(".store.tmp~*")), "a half-created store was left"
+    # 3. space freed: a rerun completes
     complete_after_freeing(mdir, store, flag, environ)
 
 
