@@ -9,7 +9,6 @@ Replay a failing run with DFLASH_CHAOS_SEED=<seed printed by the run>.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -21,7 +20,8 @@ from chaos import Chaos
 from dflash_staged.manifest import Manifest
 from dflash_staged.trainer_setup import target_dims
 from pipeline_helpers import write_config, write_dataset
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, cli, hooked_env, run, scan_store, start
+from rel_helpers import (assert_all_released_and_clean, assert_exactly_once, cli, hooked_env, run, scan_store,
+                         start)
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 WINDOW = 16

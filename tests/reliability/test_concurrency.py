@@ -8,7 +8,6 @@ verifies and retires shards as they appear (state `kept`, outside the window), s
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess

@@ -22,8 +22,7 @@ import pytest
 
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
-from rel_helpers import (assert_all_released_and_clean, assert_exactly_once, cli, run, scan_store, start,
-                         status_json)
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, cli, run, start, status_json
 from pipeline_helpers import write_config, write_dataset
 
 EXTRA = "[data]\ntoken_budget = 512\n"
