@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 
@@ -62,6 +63,8 @@ def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float):
           f"{r.wall_s:.0f}s", flush=True)
     logs = "".join((tmp_path / f).read_text() for f in ("train.log", "extract.log") if (tmp_path / f).exists())
     assert "Traceback" not in logs, f"seed {seed}: a traceback in the logs:\n{logs[-4000:]}"
+    errors = [x for x in logs.splitlines() if re.match(r"(extract: worker \d+: |error: )", x)]
+    assert not errors, f"seed {seed}: errors in the logs: {errors[:5]}"
     assert len(r.kills) >= kills, f"seed {seed}: only {len(r.kills)} kills happened"
     assert not r.violations, f"seed {seed}: {r.violations[:5]}"
     assert not r.orphans, f"seed {seed}: extract workers outlived their supervisor: {r.orphans}"
