@@ -44,15 +44,16 @@ def random_drafter(target, seed=0, block=B):
 class Oracle:
     """Proposes the target's own greedy continuation (checks it is handed the right anchor)."""
 
-    def __init__(self, reference, block=B, wrong_at=None):
+    def __init__(self, reference, block=B, wrong_at=None, strict=True):
         self.ref, self.block_size, self.wrong_at, self.calls = list(reference), block, wrong_at, []
+        self.strict = strict
 
     def reset(self):
         self.calls.clear()
 
     def propose(self, context, tokens):
         S = context.shape[0]
-        assert tokens.shape[0] == S + 1 and tokens.tolist() == self.ref[:S + 1]  # anchor = last committed
+        assert tokens.shape[0] == S + 1 and (tokens.tolist() == self.ref[:S + 1] or not self.strict)  # anchor = last
         self.calls.append(S)
         out = [self.ref[i] if i < len(self.ref) else 0 for i in range(S + 1, S + self.block_size)]
         if self.wrong_at is not None:
@@ -211,3 +212,19 @@ def test_cli_errors_are_one_line(tmp_path, checkpoint):
     r = CliRunner().invoke(main, ["eval", "--drafter", str(checkpoint), "--target", "tiny:qwen3_5",
                                   "--prompts", str(bad)])
     assert r.exit_code == 1 and "has 8 layers" in r.output
+
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_speculative_decoding():
+    t = load_target(TargetConfig(model="tiny:qwen3", dtype="auto"), "cuda", layer_ids=[1, 4])
+    assert t.dtype == torch.bfloat16
+    p = prompt()
+    n = 1 + 4 * B
+    ref = greedy_generate(t, p, n)
+    assert speculative_generate(t, None, p, n).tokens == ref  # one-token steps: the very same computation
+    out = speculative_generate(t, random_drafter(t).to("cuda", torch.bfloat16), p, n)
+    assert len(out.tokens) == n and sum(out.accepted) == n - 1 and all(1 <= k <= B for k in out.accepted)
+    # bf16 block verification may round differently from one-token steps, so the oracle is not asked to be exact
+    oracle = Oracle(p.tolist() + ref, strict=False)
+    assert acceptance_stats(speculative_generate(t, oracle, p, n).accepted, B)["tau"] >= B / 2
