@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -369,12 +368,5 @@ def format_report(r: dict) -> str:
 
 def write_json(path: str | Path, obj) -> Path:
     """Write ``obj`` as JSON atomically (temp file + fsync + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    from .fsutil import write_json_atomic
+    return write_json_atomic(path, obj)

@@ -22,3 +22,29 @@ def fsync_path(path: str | os.PathLike) -> None:
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory; see :func:`fsync_path`."""
     fsync_path(Path(path))
+
+
+def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically: temp file, fsync, rename."""
+    import json
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=indent) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    """Bytes of all files under ``path`` (0 if absent); files vanishing meanwhile are skipped."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .fsutil import dir_bytes, write_json_atomic  # noqa: F401 (dir_bytes is part of the launcher API)
+
 POLL_S = 0.2
 PY = sys.executable
 
@@ -55,16 +57,6 @@ def _human(n: float) -> str:
     return str(n)  # pragma: no cover
 
 
-def dir_bytes(path: Path) -> int:
-    """Bytes of all files under `path` (0 if it does not exist); files vanishing meanwhile are skipped."""
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def _die_with_launcher() -> None:  # runs in the child between fork and exec
@@ -407,14 +399,7 @@ def _summary(say, mon: _Monitor, code: int, plan_s: float, ex: _Child, tr: _Chil
         say(f"training: {steps} steps, loss {first if first is None else f'{first:.4f}'} -> "
             f"{last if last is None else f'{last:.4f}'} | run dir {mon.run_dir}")
     if summary_path is not None:
-        summary_path = Path(summary_path)
-        summary_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = summary_path.with_name(f".{summary_path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(s, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, summary_path)
+        write_json_atomic(summary_path, s)
     return s
 
 

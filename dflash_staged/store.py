@@ -71,6 +71,7 @@ from typing import Iterator
 import torch
 
 from .errors import DflashError
+from .fsutil import dir_bytes
 from .shardfiles import (ChunkError, array_json, bytes_view, chunk_file, combine_hex, empty_tensor, fsync_all,
                          fsync_dir, group_json, hash_hex, new_hash, owner_dead, prefetch, read_chunk, temp_name,
                          write_file, write_json, zstd)
@@ -294,14 +295,7 @@ class ShardStore:
 
     def disk_bytes(self) -> int:
         """Bytes of all files under the store root (shards, temp leftovers, metadata)."""
-        total = 0
-        for dirpath, _, files in os.walk(self.root):
-            for f in files:
-                try:
-                    total += os.lstat(os.path.join(dirpath, f)).st_size
-                except FileNotFoundError:
-                    pass
-        return total
+        return dir_bytes(self.root)
 
     # -- write / read / delete -----------------------------------------------------------------
 
