@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from dflash_staged.checkpoint import latest_checkpoint, load_checkpoint
 from dflash_staged.cli import main
+from dflash_staged.fsutil import dir_bytes
 from dflash_staged.manifest import Manifest
 from pipeline_helpers import ROOT, env
 
@@ -71,12 +72,7 @@ def scan_store(store: Path) -> dict:
     shards = store / "shards"
     if not shards.is_dir():
         return {"published": published, "temps": temps, "bytes": 0}
-    for root, dirs, files in os.walk(store):
-        for f in files:
-            try:
-                nbytes += os.lstat(os.path.join(root, f)).st_size
-            except FileNotFoundError:
-                pass
+    nbytes = dir_bytes(store)
     for edir in shards.glob("e*"):
         try:
             entries = list(edir.iterdir())
