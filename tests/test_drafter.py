@@ -16,14 +16,6 @@ from dflash_staged.objective import (acceptance_metrics, block_labels, decay_wei
 H, V = 64, 300
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops: one thread avoids oversubscription on a shared CPU (20x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make_drafter(layers=2, heads=4, kv=2, block=6, k_taps=3, seed=0, vocab=V, hidden=H):
     g = torch.Generator().manual_seed(seed + 1000)

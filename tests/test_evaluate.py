@@ -19,13 +19,6 @@ from dflash_staged.weights import save_drafter
 B = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_target(kind="qwen3", layer_ids=(1, 4)):
     return load_target(TargetConfig(model=f"tiny:{kind}", dtype="float32"), "cpu", layer_ids=list(layer_ids))

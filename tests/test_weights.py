@@ -16,13 +16,6 @@ from dflash_staged.weights import (check_mask_absent, load_drafter, load_embed_a
                                    save_drafter, validate_mask_token)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tiny_head():
