@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_staged.drafter import DFlashDrafter, DraftModelConfig  # noqa: E402
-from dflash_staged.objective import block_labels, decay_weights, dflash_loss, head_loss, sample_anchors  # noqa: E402
+from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig  # noqa: E402
+from dflash_staged.train.objective import block_labels, decay_weights, dflash_loss, head_loss, sample_anchors  # noqa: E402
 
 K = 3
 

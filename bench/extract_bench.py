@@ -8,7 +8,7 @@ interleaved, ``--repeats`` times each after a warm-up; the medians are compared 
 bytes each path returns. Runs on CPU with models built in code (random weights):
 
 * ``dense-12x512``: a 12-layer Qwen3, hidden 512, vocab 16384;
-* ``tiny-qwen3_5``: the tiny hybrid Qwen3.5 from ``dflash_staged.tiny`` (PyTorch reference kernels).
+* ``tiny-qwen3_5``: the tiny hybrid Qwen3.5 from ``dflash_staged.model.tiny`` (PyTorch reference kernels).
 
 Usage: ``python bench/extract_bench.py [--json] [--repeats N] [--draft-layers K]``.
 With ``--json`` the last line is a JSON object with all results.
@@ -25,7 +25,7 @@ import time
 import torch
 
 from dflash_staged.config import dflash_target_layers
-from dflash_staged.target import Target, pack_unpadded, pad_batch
+from dflash_staged.model.target import Target, pack_unpadded, pad_batch
 
 LENGTHS = (256, 192, 160, 96)
 
@@ -41,7 +41,7 @@ def dense_model(seed: int = 0):
 
 
 def tiny_hybrid(seed: int = 0):
-    from dflash_staged.tiny import build_tiny_model
+    from dflash_staged.model.tiny import build_tiny_model
     return build_tiny_model("qwen3_5", seed=seed)
 
 

@@ -13,7 +13,7 @@ Steps (each reports ``ok`` and its numbers; a failing step does not stop the oth
    Goal: ratio >= 0.9. Also capture + device-to-host copy into pinned memory.
 4. ``train_e2e``: plan a small synthetic dataset for ``tiny:qwen3`` in bf16, then run
    ``dflash extract --devices cuda:0`` and ``dflash train --device cuda`` side by side through the
-   launcher (``python -m dflash_staged.launch pipeline``); the drafter trains under bf16 autocast.
+   launcher (``python -m dflash_staged pipeline``); the drafter trains under bf16 autocast.
 
 The last line printed is one JSON object: ``{"ok": ..., "device": ..., "steps": {name: {...}}}``;
 it is also written to ``OUT/gpu_smoke.json``. Exit code 0 when every step is ok.
@@ -149,8 +149,8 @@ def step_cuda_tests(out: Path) -> dict:
 
 
 def step_hybrid_extract(out: Path, dev: str) -> dict:
-    from dflash_staged.preflight import KernelPreflightError, preflight_kernels
-    from dflash_staged.tiny import tiny_config
+    from dflash_staged.model.preflight import KernelPreflightError, preflight_kernels
+    from dflash_staged.model.tiny import tiny_config
     res = {"fla_installed": importlib.util.find_spec("fla") is not None,
            "causal_conv1d_installed": importlib.util.find_spec("causal_conv1d") is not None}
     try:
@@ -185,7 +185,7 @@ def step_throughput(out: Path, dev: str, repeats: int = 10) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
     from dflash_staged.config import dflash_target_layers
-    from dflash_staged.target import Target, pack_unpadded
+    from dflash_staged.model.target import Target, pack_unpadded
     gpu = dev.startswith("cuda")
     H, layers, B, L = (2048, 24, 8, 2048) if gpu else (256, 8, 2, 256)
     cfg = Qwen3Config(vocab_size=32768, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers,
@@ -255,7 +255,7 @@ def step_train_e2e(out: Path, dev: str) -> dict:
     cfg.write_text(TINY_GPU_CONFIG.format(model="tiny:qwen3"))
     data = write_data(work / "data.jsonl", 96, seed=1)
     summary = work / "summary.json"
-    rc, text = sh([sys.executable, "-m", "dflash_staged.launch", "pipeline", "--config", cfg, "--data", data,
+    rc, text = sh([sys.executable, "-m", "dflash_staged", "pipeline", "--config", cfg, "--data", data,
                    "--workdir", work / "w", "--devices", dev, "--summary-json", summary, "--status-every", "5",
                    "--", "--device", dev.split(":")[0]], 360, work / "launch.log")
     res = {"rc": rc}

@@ -39,11 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_staged.buffer import ShardBuffer, bound_host_memory  # noqa: E402
+from dflash_staged.train.buffer import ShardBuffer, bound_host_memory  # noqa: E402
 from dflash_staged.config import Config  # noqa: E402
-from dflash_staged.extract import publish_staged  # noqa: E402
+from dflash_staged.extract.worker import publish_staged  # noqa: E402
 from dflash_staged.manifest import Manifest  # noqa: E402
-from dflash_staged.sources import LiveSource  # noqa: E402
+from dflash_staged.train.sources import LiveSource  # noqa: E402
 from dflash_staged.store import ShardStore, StoreMeta  # noqa: E402
 
 

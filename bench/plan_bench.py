@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from dflash_staged.config import Config, DataConfig
-from dflash_staged.plan import make_plan, random_batches_waste
+from dflash_staged.plan.batching import make_plan, random_batches_waste
 
 
 def synthetic_lengths(n: int, max_len: int, seed: int = 0) -> np.ndarray:

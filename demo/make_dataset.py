@@ -10,7 +10,7 @@ atomically (temp file + fsync + rename):
   {"role": "assistant", ...}]}`` per line; the held-out prompts never occur in the training file.
 - ``meta.json``: how the files were made and their token counts (for the tests and the README).
 
-Without ``--model`` it converts the target first with ``dflash_staged.demo.prepare_smollm2``.
+Without ``--model`` it converts the target first with ``demo/prepare.py``.
 The committed files were made with the defaults and ``--threads 1`` (about 12 min on a shared
 2-core machine); greedy decoding gives the same text on a re-run.
 """
@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from prompts import build_prompts  # noqa: E402
 
-from dflash_staged.demo import DEFAULT_CACHE, MASK_TOKEN, MASK_TOKEN_ID, prepare_smollm2  # noqa: E402
+from prepare import DEFAULT_CACHE, MASK_TOKEN, MASK_TOKEN_ID, prepare_smollm2  # noqa: E402
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -6,25 +6,12 @@ User errors (:class:`dflash_staged.errors.DflashError`) print one clean line and
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 import sys
 
 import click
 
-from .errors import DflashError
-
-
-def user_errors(fn):
-    """Turn DflashError into one `error: ...` line and exit code 1 (no traceback)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except DflashError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(1)
-    return wrapper
+from dflash_staged.errors import DflashError, user_errors  # noqa: F401
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,7 +33,7 @@ def main() -> None:
 @user_errors
 def plan_cmd(config_path, data_path, manifest_dir, epochs, seed, skip_bad):
     """Tokenise the data, bucket and batch it, and write the job manifest."""
-    from .plan import plan_manifest
+    from dflash_staged.plan.batching import plan_manifest
     click.echo(plan_manifest(config_path, data_path, manifest_dir, epochs=epochs, seed=seed, skip_bad=skip_bad,
                              progress=True))
 
@@ -59,8 +46,8 @@ def plan_cmd(config_path, data_path, manifest_dir, epochs, seed, skip_bad):
 def status_cmd(manifest_dir, as_json, list_jobs):
     """Show job states, the window and progress of a manifest."""
     import json
-    from .manifest import Manifest
-    from .plan import format_status
+    from dflash_staged.manifest import Manifest
+    from dflash_staged.plan.batching import format_status
     with Manifest.open(manifest_dir, readonly=True) as m:
         if list_jobs:
             jobs = [{"id": j.id, "epoch": j.epoch, "pos": j.pos, "bucket": j.bucket, "sample_ids": j.sample_ids,
@@ -91,8 +78,8 @@ def status_cmd(manifest_dir, as_json, list_jobs):
 @user_errors
 def extract(manifest_dir, store_dir, devices, window, window_bytes, train_ranks, allow_slow_kernels, dtype):
     """Run target workers that write hidden-state shards for the manifest's jobs."""
-    from .extract import options_from, run_extract
-    from .manifest import Manifest
+    from dflash_staged.extract.worker import options_from, run_extract
+    from dflash_staged.manifest import Manifest
     with Manifest.open(manifest_dir) as m:
         cfg = m.config
     opts = options_from(manifest_dir, store_dir, devices, cfg.extract, window=window,
@@ -131,8 +118,8 @@ def train(manifest_dir, store_dir, out_dir, replay, keep_shards, order_from, pas
         os.execv(sys.executable, cmd)
     if order_from and not replay:
         raise DflashError("--order-from needs --replay")
-    from .trainer_setup import TrainOptions, build_run
-    from .train import train_loop
+    from dflash_staged.train.trainer import TrainOptions, build_run
+    from dflash_staged.train.loop import train_loop
     opts = TrainOptions(manifest=manifest_dir, store=store_dir, out=out_dir, replay=replay, keep_shards=keep_shards,
                         order_from=order_from, passes=passes, overrides=parse_sets(sets), device=device,
                         verify=not no_verify, max_steps=max_steps, tensorboard=tensorboard)
@@ -164,11 +151,11 @@ def eval_cmd(drafter_path, target_spec, prompts_path, max_new_tokens, limit, dev
              plot_path, out_path):
     """Greedy speculative decoding with the target: acceptance length tau, tokens/s vs plain greedy."""
     import json
-    from .evaluate import format_report, run_eval, write_json
+    from dflash_staged.evaluate.report import format_report, run_eval, write_json
     report = run_eval(drafter_path, target_spec, prompts_path, max_new_tokens, device=device, limit=limit,
                       baseline=not no_baseline)
     if plot_path:
-        from .plot import plot_eval
+        from dflash_staged.evaluate.plot import plot_eval
         report["plot"] = str(plot_eval(report, plot_path))
     if out_path:
         write_json(out_path, report)
@@ -177,7 +164,7 @@ def eval_cmd(drafter_path, target_spec, prompts_path, max_new_tokens, limit, dev
 
 def parse_sets(sets) -> dict:
     """['train.lr=1e-3', 'drafter.block_size=8'] -> {'train': {'lr': 0.001}, 'drafter': {'block_size': 8}}."""
-    from .config import tomllib
+    from dflash_staged.config import tomllib
     out: dict = {}
     for s in sets:
         key, sep, value = s.partition("=")
@@ -203,6 +190,14 @@ def parse_size(text: str) -> int:
     except ValueError:
         raise DflashError(f"cannot read size {text!r}: use a number of bytes or e.g. 512M, 200G, 1.5T") from None
 
+
+def _register_launchers() -> None:
+    from dflash_staged.launch.commands import node, pipeline
+    main.add_command(pipeline)
+    main.add_command(node)
+
+
+_register_launchers()
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -31,7 +31,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-from .errors import DflashError
+from dflash_staged.errors import DflashError
 
 
 class ConfigError(DflashError, ValueError):

@@ -3,6 +3,23 @@
 Every message names what was wrong (file, line, field, path) and what to do about it.
 """
 
+from __future__ import annotations
+
+import functools
+import sys
+
 
 class DflashError(Exception):
     """An error the user can fix; the CLI prints ``error: <message>`` and exits 1."""
+
+
+def user_errors(fn):
+    """Turn DflashError into one `error: ...` line and exit code 1 (no traceback)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DflashError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
+    return wrapper

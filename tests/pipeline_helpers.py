@@ -89,3 +89,14 @@ def sample_while(procs: list[subprocess.Popen], fn, period: float = 0.1, timeout
             pass
         time.sleep(period)
     return out
+
+
+def demo_prepare():
+    """The demo's preparation module (demo/prepare.py: outside the library, not installed)."""
+    if "demo_prepare" not in sys.modules:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("demo_prepare", ROOT / "demo" / "prepare.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["demo_prepare"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["demo_prepare"]

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from dflash_staged import dataset
+from dflash_staged.plan import dataset
 from dflash_staged.config import Config, DataConfig, DrafterConfig
-from dflash_staged.dataset import DatasetError, load_dataset, tokenize_messages
-from dflash_staged.tiny import build_tiny_tokenizer
+from dflash_staged.plan.dataset import DatasetError, load_dataset, tokenize_messages
+from dflash_staged.model.tiny import build_tiny_tokenizer
 
 
 def cfg_for(max_len=64, overlength="truncate", min_loss=2, mask_id=3):

@@ -1,5 +1,5 @@
 """The demo config (configs/smollm2-demo.toml) loads and validates; no model needed (the tokenizer
-checks run only where `python -m dflash_staged.demo prepare` has converted the target)."""
+checks run only where `python demo/prepare.py prepare` has converted the target)."""
 
 import json
 import subprocess
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_staged import demo
+from pipeline_helpers import demo_prepare
+
+demo = demo_prepare()
 from dflash_staged.config import dflash_target_layers, load_config
-from dflash_staged.draft_config import DraftModelConfig
+from dflash_staged.model.draft_config import DraftModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2-demo.toml"
@@ -36,9 +38,9 @@ def test_demo_config_loads_and_builds_the_drafter_config():
 def test_demo_mask_token_is_valid_and_absent_from_the_data():
     hf = ROOT / demo.DEFAULT_CACHE / "hf"
     if not demo.is_converted(hf):
-        pytest.skip("the demo target is not prepared (python -m dflash_staged.demo prepare)")
-    from dflash_staged.target import load_tokenizer
-    from dflash_staged.weights import check_mask_absent, validate_mask_token
+        pytest.skip("the demo target is not prepared (python demo/prepare.py prepare)")
+    from dflash_staged.model.target import load_tokenizer
+    from dflash_staged.model.weights import check_mask_absent, validate_mask_token
     cfg = load_config(CONFIG)
     cfg.target.model = str(hf)
     tok = load_tokenizer(cfg.target)
@@ -55,5 +57,5 @@ def test_bin_demo_is_valid_bash_and_ends_with_the_tau_line():
     script = ROOT / "bin" / "demo"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    assert "bin/_env.sh" in text and "dflash_staged.demo prepare" in text and "--keep-shards" in text
+    assert "bin/_env.sh" in text and "demo/prepare.py prepare" in text and "--keep-shards" in text
     assert text.rstrip().splitlines()[-2].startswith('print(f"tau=')  # the last line printed

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_staged import demo
+from pipeline_helpers import demo_prepare
+
+demo = demo_prepare()
 from dflash_staged.errors import DflashError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +110,7 @@ def test_token_counts_with_cached_tokenizer(train, heldout):
     """Exact checks with the converted target's tokenizer, when `demo prepare` has run here."""
     hf = ROOT / demo.DEFAULT_CACHE / "hf"
     if not demo.is_converted(hf):
-        pytest.skip(f"{hf} not prepared (python -m dflash_staged.demo prepare)")
+        pytest.skip(f"{hf} not prepared (python demo/prepare.py prepare)")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(hf)
     assert len(tok) == 49152  # the tokenizer fills the vocabulary: the mask token reuses an id

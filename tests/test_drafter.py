@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from dflash_staged import drafter as drafter_mod
-from dflash_staged.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.model import drafter as drafter_mod
+from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.objective import (acceptance_metrics, block_labels, decay_weights, dflash_loss, head_loss,
+from dflash_staged.train.objective import (acceptance_metrics, block_labels, decay_weights, dflash_loss, head_loss,
                                      noise_std_at, per_offset_accuracy, sample_anchors)
 
 H, V = 64, 300

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_staged.config import TargetConfig, load_config
-from dflash_staged.drafter import DFlashDrafter, DraftModelConfig
-from dflash_staged.tiny import MASK
-from dflash_staged.weights import load_embed_and_head, save_drafter
+from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.tiny import MASK
+from dflash_staged.model.weights import load_embed_and_head, save_drafter
 
 REF = os.environ.get("DFLASH_REFERENCE_MODEL_PY", "")
 

@@ -8,13 +8,13 @@ from click.testing import CliRunner
 
 from dflash_staged.cli import main
 from dflash_staged.config import TargetConfig
-from dflash_staged.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.evaluate import (DrafterProposer, acceptance_stats, greedy_generate, load_prompts,
+from dflash_staged.evaluate.report import (DrafterProposer, acceptance_stats, greedy_generate, load_prompts,
                                     speculative_generate)
-from dflash_staged.target import load_target
-from dflash_staged.tiny import MASK
-from dflash_staged.weights import save_drafter
+from dflash_staged.model.target import load_target
+from dflash_staged.model.tiny import MASK
+from dflash_staged.model.weights import save_drafter
 
 B = 8
 
@@ -140,7 +140,7 @@ def test_hybrid_target_is_lossless():
 
 # -- prompts and the command ---------------------------------------------------------------------
 def test_load_prompts_messages_and_ids(tmp_path):
-    from dflash_staged.tiny import build_tiny_tokenizer
+    from dflash_staged.model.tiny import build_tiny_tokenizer
     f = tmp_path / "p.jsonl"
     msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "the answer"}]
     f.write_text(json.dumps({"messages": msgs}) + "\n\n" + json.dumps({"input_ids": [5, 6, 7]}) + "\n")
@@ -161,7 +161,7 @@ def test_load_prompts_messages_and_ids(tmp_path):
     ('{"messages": [{"role": "assistant", "content": "x"}]}', ":1: messages: only assistant turns"),
 ])
 def test_bad_prompt_lines(tmp_path, line, needle):
-    from dflash_staged.tiny import build_tiny_tokenizer
+    from dflash_staged.model.tiny import build_tiny_tokenizer
     f = tmp_path / "bad.jsonl"
     f.write_text(line + "\n")
     with pytest.raises(DflashError, match=None) as e:

@@ -8,7 +8,7 @@ import torch
 
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
-from dflash_staged.target import load_target
+from dflash_staged.model.target import load_target
 from pipeline_helpers import dflash, plan, run_dflash
 
 

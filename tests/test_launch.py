@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_staged.launch import run_side_by_side
-from dflash_staged.layout import bytes_per_token, main
+from dflash_staged.launch.supervise import run_side_by_side
+from dflash_staged.cli import main
+from dflash_staged.launch.disk import bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +122,7 @@ def test_node_gpu_ids_map_through_visible_devices_and_single_rank_skips_torchrun
 
 def test_existing_manifest_is_reused_and_a_different_plan_refused(tmp_path):
     from pipeline_helpers import write_dataset
-    from dflash_staged.plan import plan_manifest
+    from dflash_staged.plan.batching import plan_manifest
     data = write_dataset(tmp_path / "d.jsonl", n=8)
     plan_manifest("configs/tiny.toml", data, tmp_path / "w" / "manifest")
     args = ["pipeline", "--config", "configs/tiny.toml", "--data", str(data), "--workdir", str(tmp_path / "w")]
@@ -178,7 +179,7 @@ class Launcher:
     """The supervisor in its own process (so we can signal it), with its output collected."""
 
     def __init__(self, extract: str, train: str):
-        code = ("import json, sys; from dflash_staged.launch import run_side_by_side; a = json.loads(sys.argv[1]); "
+        code = ("import json, sys; from dflash_staged.launch.supervise import run_side_by_side; a = json.loads(sys.argv[1]); "
                 "sys.exit(run_side_by_side(None, a[0], a[1], status_every=3600))")
         self.p = subprocess.Popen([sys.executable, "-c", code, json.dumps([child(extract), child(train)])], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_staged.config import Config, DataConfig
-from dflash_staged.plan import (PlanError, bucket_edges, epoch_order, make_batches, make_plan,
+from dflash_staged.plan.batching import (PlanError, bucket_edges, epoch_order, make_batches, make_plan,
                                 random_batches_waste)
 
 

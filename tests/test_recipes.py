@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from dflash_staged.config import dflash_target_layers, load_config
-from dflash_staged.draft_config import DraftModelConfig
-from dflash_staged.layout import disk_requirements
+from dflash_staged.model.draft_config import DraftModelConfig
+from dflash_staged.launch.disk import disk_requirements
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_recipe_loads_and_builds_the_drafter_config(name):
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_window_fits_its_trainer_and_disk_numbers(name):
-    from dflash_staged.extract import window_check
+    from dflash_staged.extract.worker import window_check
     cfg = load_config(ROOT / "configs" / name)
     err, warn = window_check(cfg, cfg.extract.window, workers=4, ranks=4)  # the 4 + 4 GPU layout of the docs
     assert err is None and warn is None
@@ -70,7 +70,7 @@ def test_recipe_mask_token_against_the_tokenizer(name):
     if local is None:
         pytest.skip(f"{cfg.target.model} is not on local disk")
     from transformers import AutoTokenizer
-    from dflash_staged.weights import validate_mask_token
+    from dflash_staged.model.weights import validate_mask_token
     tok = AutoTokenizer.from_pretrained(local)
     vocab = RECIPES[name][2]
     assert validate_mask_token(cfg.drafter.mask_token_id, tok, vocab) == cfg.drafter.mask_token_id

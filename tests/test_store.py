@@ -20,11 +20,11 @@ import zarr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_staged import shardfiles
+from dflash_staged.store import shardfiles
 from dflash_staged.errors import DflashError
 from dflash_staged.store import (ShardCorruptError, ShardMissingError, ShardStore, ShardTruncatedError,
                                  StoreFullError, StoreMeta, StoreMismatchError, StoreMissingError)
-from dflash_staged.writer import ShardWriter
+from dflash_staged.extract.writer import ShardWriter
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -170,7 +170,7 @@ def test_plain_zarr_reads_the_store(tmp_path, comp):
 CRASH_WRITER = textwrap.dedent("""
     import os, sys, time, torch
     sys.path.insert(0, {repo!r})
-    from dflash_staged import shardfiles
+    from dflash_staged.store import shardfiles
     from dflash_staged.store import ShardStore, StoreMeta
     calls = [0]
     real = shardfiles._os_write

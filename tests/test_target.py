@@ -6,13 +6,13 @@ import types
 import pytest
 import torch
 
-from dflash_staged import preflight
+from dflash_staged.model import preflight
 from dflash_staged.config import TargetConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.target import (KernelPreflightError, Target, crop_cache, load_target, load_tokenizer,
+from dflash_staged.model.target import (KernelPreflightError, Target, crop_cache, load_target, load_tokenizer,
                                   pack_unpadded, pad_batch, preflight_kernels, resolve_dtype,
                                   resolve_layer_ids)
-from dflash_staged.tiny import save_tiny_model, tiny_config
+from dflash_staged.model.tiny import save_tiny_model, tiny_config
 
 KINDS = ("qwen3", "qwen3_5", "qwen3_next")
 LENGTHS = (37, 5, 64, 20, 1)
@@ -254,7 +254,7 @@ def test_preflight_names_only_the_missing_package(monkeypatch):
 
 def test_preflight_allow_slow_warns(monkeypatch, caplog):
     _no_kernels(monkeypatch, "fla", "causal_conv1d")
-    with caplog.at_level(logging.WARNING, logger="dflash_staged.preflight"):
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
         preflight_kernels(tiny_config("qwen3_next"), "cuda:0", allow_slow=True)
     assert any("without fast kernels" in r.getMessage() and "causal-conv1d" in r.getMessage()
                for r in caplog.records)
@@ -262,7 +262,7 @@ def test_preflight_allow_slow_warns(monkeypatch, caplog):
 
 def test_preflight_cpu_logs_once(monkeypatch, caplog):
     monkeypatch.setattr(preflight, "_cpu_logged", False)
-    with caplog.at_level(logging.WARNING, logger="dflash_staged.preflight"):
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
         for _ in range(3):
             preflight_kernels(tiny_config("qwen3_5"), "cpu", allow_slow=False)
         preflight_kernels(tiny_config("qwen3"), "cpu", allow_slow=False)

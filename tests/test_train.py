@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dflash_staged.checkpoint import consumed_jobs, latest_checkpoint, load_checkpoint
+from dflash_staged.train.checkpoint import consumed_jobs, latest_checkpoint, load_checkpoint
 from dflash_staged.manifest import Manifest
 from pipeline_helpers import dflash, plan, run_dflash, sample_while, status
 

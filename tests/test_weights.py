@@ -9,10 +9,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_staged.config import TargetConfig, load_config
-from dflash_staged.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.tiny import MASK, build_tiny_model, build_tiny_tokenizer, save_tiny_model
-from dflash_staged.weights import (check_mask_absent, load_drafter, load_embed_and_head, read_drafter_config,
+from dflash_staged.model.tiny import MASK, build_tiny_model, build_tiny_tokenizer, save_tiny_model
+from dflash_staged.model.weights import (check_mask_absent, load_drafter, load_embed_and_head, read_drafter_config,
                                    save_drafter, validate_mask_token)
 
 
@@ -241,7 +241,7 @@ def test_mask_token_validation():
 
 
 def test_bf16_checkpoint_and_bf16_inputs(tmp_path, tiny_head):
-    from dflash_staged.objective import dflash_loss
+    from dflash_staged.train.objective import dflash_loss
     m = tiny_drafter(tiny_head, dtype="bfloat16").eval()
     save_drafter(m, tmp_path / "ckpt")
     e16, h16 = (t.bfloat16() for t in tiny_head)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from dflash_staged.checkpoint import latest_checkpoint, load_checkpoint
+from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 from dflash_staged.cli import main
 from dflash_staged.fsutil import dir_bytes
 from dflash_staged.manifest import Manifest

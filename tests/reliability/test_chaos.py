@@ -19,7 +19,7 @@ import pytest
 
 from chaos import Chaos
 from dflash_staged.manifest import Manifest
-from dflash_staged.trainer_setup import target_dims
+from dflash_staged.train.trainer import target_dims
 from pipeline_helpers import write_config, write_dataset
 from rel_helpers import (assert_all_released_and_clean, assert_exactly_once, cli, hooked_env, run, scan_store,
                          start)

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-import dflash_staged.shardfiles as shardfiles
+import dflash_staged.store.shardfiles as shardfiles
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore, StoreFullError, StoreMeta
 from pipeline_helpers import write_config, write_dataset

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import dflash_staged.dataset as dataset_mod
+import dflash_staged.plan.dataset as dataset_mod
 from dflash_staged.cli import main
 from dflash_staged.config import _SECTION_CLASSES
 from pipeline_helpers import TINY
@@ -39,7 +39,7 @@ _TOKENIZER = []
 def cached_tokenizer(monkeypatch):
     def load(tcfg):
         if not _TOKENIZER:
-            from dflash_staged.tiny import build_tiny_tokenizer
+            from dflash_staged.model.tiny import build_tiny_tokenizer
             _TOKENIZER.append(build_tiny_tokenizer())
         return _TOKENIZER[0]
     monkeypatch.setattr(dataset_mod, "_load_tokenizer", load)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from dflash_staged.checkpoint import latest_checkpoint
+from dflash_staged.train.checkpoint import latest_checkpoint
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore, StoreMeta
 from pipeline_helpers import write_config, write_dataset

@@ -6,7 +6,7 @@ hook), so nothing is imported early and spawned extract workers get the same pat
 Keys (all optional):
 
 * ``enospc_flag``: path. While that file exists, the store's file writes
-  (``dflash_staged.shardfiles._os_write``) fail with ENOSPC once this process has written the
+  (``dflash_staged.store.shardfiles._os_write``) fail with ENOSPC once this process has written the
   number of bytes the file holds (empty = 0; the write that crosses it is cut short): a disk that
   fills up mid-file and stays full until the file is removed.
 * ``fake_target``: ``{"hidden": H, "delay_s": s}``. ``load_target`` returns a fast fake whose
@@ -180,12 +180,12 @@ def _crashes() -> bool:
     return bool(CFG.get("crash") or CFG.get("crash_after"))
 
 
-_PATCHES = {"dflash_staged.shardfiles": (_patch_shardfiles, lambda: "enospc_flag" in CFG or _crashes()),
+_PATCHES = {"dflash_staged.store.shardfiles": (_patch_shardfiles, lambda: "enospc_flag" in CFG or _crashes()),
             "dflash_staged.store": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
-            "dflash_staged.checkpoint": (_patch_checkpoint, _crashes),
+            "dflash_staged.train.checkpoint": (_patch_checkpoint, _crashes),
             "dflash_staged.manifest": (_patch_manifest, _crashes),
-            "dflash_staged.manifest_build": (_patch_manifest_build, _crashes),
-            "dflash_staged.target": (_patch_target, lambda: "fake_target" in CFG)}
+            "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
+            "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG)}
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -1,0 +1,93 @@
+"""Disk arithmetic of a node layout: bytes per token, store bandwidth, window disk.
+
+A token costs ``K x H x itemsize`` bytes of tapped hidden states plus 5 bytes (int32 id + uint8
+loss mask). Every byte is written once by extract and read once by train, so the store must
+sustain ``2 x tok/s x extract GPUs x bytes/token``. The disk a window needs is
+``window shards x real tokens per job x bytes/token``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Hidden sizes of the recipe targets, for the disk arithmetic when the model is not on local disk.
+KNOWN_HIDDEN = {"Qwen/Qwen3-8B": 4096, "Qwen/Qwen3.5-27B": 5120}
+
+
+def bytes_per_token(k: int, hidden: int, itemsize: int = 2) -> int:
+    """Store bytes per real token: K tapped states of `hidden` values, + int32 id + uint8 loss mask."""
+    return k * hidden * itemsize + 5
+
+
+def target_hidden_size(model: str, override: int | None = None) -> int | None:
+    """The target's hidden size without downloading: override, tiny config, local or cached
+    config.json, or the recipe table; None when unknown."""
+    if override:
+        return override
+    if model.startswith("tiny:"):
+        from dflash_staged.model.tiny import tiny_config
+        return tiny_config(model.split(":", 1)[1]).hidden_size
+    paths = [Path(model) / "config.json"]
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = try_to_load_from_cache(model, "config.json")
+        if isinstance(cached, str):
+            paths.append(Path(cached))
+    except Exception:  # noqa: BLE001 - not a repo id, or no hub client: fall through
+        pass
+    for p in paths:
+        try:
+            c = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        c = c.get("text_config") or c
+        if isinstance(c.get("hidden_size"), int):
+            return c["hidden_size"]
+    return KNOWN_HIDDEN.get(model)
+
+
+def _si(n: float) -> str:
+    """Decimal units, as disk vendors quote bandwidth: 2.62 GB, 310 MB."""
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= f:
+            return f"{n / f:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def disk_requirements(config: Path, n_gpus: int, tok_s_per_gpu: float, hidden_override: int | None,
+                      manifest: Path | None, window: int | None, itemsize: int | None = None) -> tuple[dict, list[str]]:
+    """Bytes/token, write + read bandwidth and window disk of a node layout: (numbers, printable lines).
+    `itemsize` defaults to the target dtype on CUDA (auto = bfloat16: 2 bytes)."""
+    from dflash_staged.config import load_config
+    cfg = load_config(config)
+    itemsize = itemsize or {"float32": 4}.get(cfg.target.dtype, 2)
+    layer_ids, avg_tokens, exact = None, float(cfg.data.token_budget), False
+    if manifest is not None and (Path(manifest) / "manifest.db").is_file():
+        from dflash_staged.manifest import Manifest
+        with Manifest.open(manifest, readonly=True) as m:
+            layer_ids = m.meta.get("layer_ids")
+            avg_tokens = m.meta["tokens_real"] / max(1, m.meta["n_batches"])
+            exact = True
+    k = len(layer_ids or cfg.target.target_layer_ids) or cfg.drafter.num_hidden_layers
+    hidden = target_hidden_size(cfg.target.model, hidden_override)
+    window = window if window is not None else cfg.extract.window
+    d = {"k": k, "hidden": hidden, "itemsize": itemsize, "extract_gpus": n_gpus, "tok_s_per_gpu": tok_s_per_gpu,
+         "window": window, "avg_tokens_per_job": avg_tokens, "avg_exact": exact}
+    if hidden is None:
+        return d, [f"disk: hidden size of {cfg.target.model!r} unknown offline; pass --hidden-size H for the "
+                   "bandwidth and window arithmetic"]
+    bpt = bytes_per_token(k, hidden, itemsize)
+    write = tok_s_per_gpu * n_gpus * bpt
+    win = window * avg_tokens * bpt
+    d.update(bytes_per_token=bpt, write_Bps=write, store_Bps=2 * write, window_bytes=win)
+    lines = [
+        f"bytes per token: K={k} tapped layers x hidden {hidden} x {itemsize} B + 5 B (id, loss mask) = {bpt:,} B",
+        f"disk bandwidth: {tok_s_per_gpu:,.0f} tok/s per GPU (--target-tok-s) x {n_gpus} extract GPU(s) x {bpt:,} B "
+        f"= {_si(write)}/s written; each byte is read once by train, so the store must sustain "
+        f"{_si(2 * write)}/s (write + read)",
+        f"window disk: {window} shards x {avg_tokens:,.0f} real tokens per job "
+        f"({'plan average' if exact else 'upper bound: data.token_budget; exact after planning'}) x {bpt:,} B "
+        f"= {_si(win)} (extract.window_bytes / --window-bytes caps it)",
+    ]
+    return d, lines

@@ -1,0 +1,172 @@
+"""What the launchers start: the processes of ``dflash pipeline`` and ``dflash node``.
+
+:func:`pipeline_layout` (``dflash pipeline``) and :func:`node_layout` (``dflash node``) turn the
+launcher's options into a :class:`Layout`: the plan command (``None`` when the work directory
+already holds this plan), the extract and train processes with their environments, and notes to
+print. :func:`dflash_staged.launch.supervise.run_side_by_side` runs a layout.
+
+Node layout: GPU ids are indices into the launcher's ``CUDA_VISIBLE_DEVICES`` when that is set,
+else the ids ``nvidia-smi`` shows. Extract sees only its GPUs (``CUDA_VISIBLE_DEVICES``) and runs
+one worker per GPU (``--devices cuda:0,...,cuda:n-1``); train sees only its GPUs and runs
+under torchrun (``python -m torch.distributed.run --standalone --nproc-per-node G``) when
+G > 1, with ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` raised so a clean stop has time to checkpoint.
+
+The disk arithmetic printed for a node layout is :mod:`dflash_staged.launch.disk`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dflash_staged.errors import DflashError
+from dflash_staged.launch.disk import disk_requirements
+from dflash_staged.launch.supervise import PY, Proc
+
+# Assumed extract throughput per target GPU (real tokens/s) of an 8B dense target in bf16 on an
+# H100-class GPU, prefill only and stopped after the deepest tapped layer. Measure yours with
+# bench/gpu_smoke.sh or read extract's own tok/s line, and pass --target-tok-s.
+DEFAULT_TARGET_TOK_S = 8000
+SHUTDOWN_TIMEOUT_S = 600  # torchrun's grace for a clean stop (its default of 30 s is too short to checkpoint)
+
+
+@dataclass
+class Layout:
+    workdir: Path
+    plan_cmd: list[str] | None
+    extract: Proc
+    train: Proc
+    disk_notes: Callable[[], list[str]] | None = None  # printed after planning (node: bandwidth, window disk)
+
+    @property
+    def manifest(self) -> Path:
+        return self.workdir / "manifest"
+
+    @property
+    def store(self) -> Path:
+        return self.workdir / "store"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.workdir / "run"
+
+
+def dflash_cmd(*args: str) -> list[str]:
+    return [PY, "-m", "dflash_staged", *map(str, args)]
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} -> {b!r}"]
+
+
+def plan_cmd_if_needed(config: Path, data: Path, manifest: Path, epochs: int, seed: int) -> list[str] | None:
+    """The `dflash plan` command, or None when `manifest` already holds a plan of this config,
+    epochs and seed. A plan of anything else is an error naming the differences (extract and
+    train read the config from the manifest, so an edited config would be silently ignored)."""
+    cmd = dflash_cmd("plan", "--config", config, "--data", data, "--manifest", manifest, "--epochs", str(epochs),
+                     "--seed", str(seed))
+    if not (manifest / "manifest.db").is_file():
+        return cmd
+    from dflash_staged.config import load_config
+    from dflash_staged.manifest import Manifest
+    cfg = load_config(config)
+    with Manifest.open(manifest, readonly=True) as m:
+        have = {"config": m.config.to_dict(), "epochs": m.meta["epochs"], "seed": m.meta["seed"]}
+    diffs = _diff(have, {"config": cfg.to_dict(), "epochs": epochs, "seed": seed})
+    if diffs:
+        raise DflashError(f"{manifest} was planned from other settings ({'; '.join(diffs[:6])}"
+                          f"{'; ...' if len(diffs) > 6 else ''}); use another --workdir, or delete {manifest} "
+                          f"(and {manifest.parent / 'store'}, {manifest.parent / 'run'}) to re-plan")
+    return None
+
+
+def _extract_args(manifest: Path, store: Path, devices: str, window, window_bytes, allow_slow: bool,
+                  train_ranks: int = 1) -> list[str]:
+    args = dflash_cmd("extract", "--manifest", manifest, "--store", store, "--devices", devices)
+    if train_ranks > 1:
+        args += ["--train-ranks", str(train_ranks)]
+    if window is not None:
+        args += ["--window", str(window)]
+    if window_bytes:
+        args += ["--window-bytes", str(window_bytes)]
+    if allow_slow:
+        args.append("--allow-slow-kernels")
+    return args
+
+
+def _train_args(manifest: Path, store: Path, run: Path, keep_shards: bool, extra: tuple[str, ...]) -> list[str]:
+    args = ["train", "--manifest", str(manifest), "--store", str(store), "--out", str(run)]
+    return args + (["--keep-shards"] if keep_shards else []) + list(extra)
+
+
+BASE_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def pipeline_layout(config: Path, data: Path, workdir: Path, *, devices: str = "cpu", epochs: int = 1,
+                    seed: int = 0, window=None, window_bytes=None, keep_shards: bool = False,
+                    allow_slow_kernels: bool = False, train_args: tuple[str, ...] = ()) -> Layout:
+    """Plan if needed, then extract on `devices` and train (on CPU when every extract device is)."""
+    workdir = Path(workdir)
+    m, s, r = workdir / "manifest", workdir / "store", workdir / "run"
+    extra = tuple(train_args)
+    env_ex, env_tr = dict(BASE_ENV), dict(BASE_ENV)
+    cpu_devs = [d for d in devices.split(",") if d.strip() == "cpu"]
+    if len(cpu_devs) == len(devices.split(",")):
+        if "--device" not in extra:
+            extra += ("--device", "cpu")
+        # Share the cores: half to the extract workers, half to the trainer (oversubscribed threads
+        # slowed generation 6x on a busy 2-core machine).
+        half = max(1, (os.cpu_count() or 2) // 2)
+        env_ex["OMP_NUM_THREADS"] = str(max(1, half // len(cpu_devs)))
+        env_tr["OMP_NUM_THREADS"] = str(half)
+    return Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
+                  Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels), env_ex),
+                  Proc("train", [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)], env_tr))
+
+
+def parse_gpus(text: str, flag: str) -> list[str]:
+    """'0,1,2,3' -> physical ids, mapped through the launcher's CUDA_VISIBLE_DEVICES when set."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() for t in items) or len(set(items)) != len(items):
+        raise DflashError(f"{flag} {text!r}: give distinct GPU indices separated by commas, e.g. 0,1,2,3")
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return items
+    bad = [t for t in items if int(t) >= len(visible)]
+    if bad:
+        raise DflashError(f"{flag} {text!r}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows only {len(visible)} "
+                          f"GPU(s) (indices 0..{len(visible) - 1}); GPU ids are indices into it")
+    return [visible[int(t)] for t in items]
+
+
+def node_layout(config: Path, data: Path, workdir: Path, *, extract_gpus: str, train_gpus: str, epochs: int = 1,
+                seed: int = 0, window=None, window_bytes=None, keep_shards: bool = False,
+                allow_slow_kernels: bool = False, target_tok_s: float = DEFAULT_TARGET_TOK_S,
+                hidden_size: int | None = None, train_args: tuple[str, ...] = ()) -> Layout:
+    """One node: extract workers on `extract_gpus`, torchrun trainer ranks on `train_gpus`."""
+    ex, tr = parse_gpus(extract_gpus, "--extract-gpus"), parse_gpus(train_gpus, "--train-gpus")
+    both = sorted(set(ex) & set(tr), key=int)
+    if both:
+        raise DflashError(f"GPU(s) {','.join(both)} are in both --extract-gpus and --train-gpus; give each stage "
+                          "its own GPUs (use bin/pipeline to share one)")
+    workdir = Path(workdir)
+    m, s, r = workdir / "manifest", workdir / "store", workdir / "run"
+    devices = ",".join(f"cuda:{i}" for i in range(len(ex)))
+    g = len(tr)
+    train = _train_args(m, s, r, keep_shards, tuple(train_args))
+    if g > 1:
+        train_cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={g}", "-m",
+                     "dflash_staged", *train]
+    else:
+        train_cmd = [PY, "-m", "dflash_staged", *train]
+    layout = Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
+                    Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g),
+                         {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(ex)}),
+                    Proc("train", train_cmd, {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(tr),
+                                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}))
+    layout.disk_notes = lambda: disk_requirements(config, len(ex), target_tok_s, hidden_size, m, window)[1]
+    return layout

@@ -1,0 +1,205 @@
+"""The DFlash training objective: anchors, labels, the decayed block loss and its metrics.
+
+Contract (the trainer calls :func:`dflash_loss` once per microbatch):
+
+* **Batch.** Anything with ``hidden [T, K, H]``, ``input_ids [T]``, ``loss_mask [T]``
+  (1 = train on this token) and ``cu_seqlens [N+1]`` (packed sequences), as
+  attributes or mapping keys: a shard from :mod:`dflash_staged.store` fits.
+* **Anchors.** Per sequence, up to ``num_anchors`` positions drawn uniformly without
+  replacement from the candidates: ``loss_mask = 1`` and at least ``B-1`` tokens
+  after them in the sequence. Drawn afresh at every call from ``generator``
+  (so a seeded generator replays the same anchors).
+* **Labels.** Block offset ``k`` (1..B-1) predicts ``ids[anchor+k]`` with no shift;
+  a label counts when it lies inside the sequence and its ``loss_mask`` is 1.
+  Offset 0 (the anchor token itself) carries no loss.
+* **Loss.** Cross-entropy weighted by ``w_k = exp(-(k-1)/gamma)``, normalised by
+  the sum of the weights of the valid labels (a weighted mean, as in SpecForge).
+  The LM head and the loss run in chunks of ``loss_chunk`` positions and the
+  gradient of each chunk is formed right away, so logits never exist for more
+  than one chunk, in the forward or the backward (the head is frozen, so only
+  the gradient to the drafter states is needed).
+* **Stats** (tensors on the batch's device, no host sync): ``correct [B-1]`` and
+  ``total [B-1]`` top-1 counts per offset, ``loss_sum`` (weighted CE sum),
+  ``weight_sum``, ``num_anchors``. Sum them over microbatches/ranks, then
+  :func:`per_offset_accuracy` and :func:`acceptance_metrics`.
+* **Acceptance length** ``tau = 1 + sum_k prod_{j<=k} acc_j``: tokens committed per
+  verify step *including* the bonus token the target always adds, as the
+  reference ``dflash`` benchmark counts it (its ``acceptance_length + 1``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dflash_staged.errors import DflashError
+
+
+def _field(batch: Any, name: str) -> torch.Tensor:
+    if isinstance(batch, dict):
+        return batch[name]
+    return getattr(batch, name)
+
+
+def sample_anchors(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, num_anchors: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sorted packed indices of the anchors: up to ``num_anchors`` per sequence (see contract)."""
+    dev = loss_mask.device
+    T = loss_mask.shape[0]
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    N = cu.numel() - 1
+    lengths = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(N, device=dev), lengths, output_size=T)
+    end = cu[1:][seq]  # exclusive end of each token's sequence
+    cand = (loss_mask > 0) & (torch.arange(T, device=dev) + (block_size - 1) < end)
+    gdev = generator.device if generator is not None else dev
+    r = torch.rand(T, generator=generator, device=gdev).to(dev)
+    # Sort by (sequence, candidate first, random key): the first num_anchors of each run win.
+    key = seq.double() * 4 + torch.where(cand, r.double(), r.double() + 2)
+    order = torch.argsort(key)
+    rank = torch.arange(T, device=dev) - cu[:-1][seq]  # rank within the sequence, in `order`
+    chosen = order[(rank < num_anchors) & cand[order]]
+    return chosen.sort().values
+
+
+def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+                 anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels ``[A, B-1]`` for offsets 1..B-1 and their validity mask (inside the sequence and
+    ``loss_mask = 1``). Invalid labels are 0."""
+    dev = input_ids.device
+    T = input_ids.shape[0]
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    seq = torch.searchsorted(cu, anchors, right=True) - 1
+    idx = anchors[:, None] + torch.arange(1, block_size, device=dev)
+    valid = idx < cu[1:][seq][:, None]
+    idx = idx.clamp(max=T - 1)
+    valid &= loss_mask[idx] > 0
+    return torch.where(valid, input_ids[idx], 0), valid
+
+
+def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """``exp(-(k-1)/gamma)`` for k = 1..B-1."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """sum_i w_i * CE(h_i @ W^T, y_i) / denom over rows, in chunks, with a frozen ``W``.
+
+    The gradient to ``h`` is computed chunk by chunk during the forward and kept
+    (``[P, H]``), so no logits survive a chunk. Matmuls run in ``W``'s dtype with
+    autocast off; softmax/CE in fp32. Also returns per-row top-1 hits (no grad).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, row_w, denom, chunk: int):
+        need_grad = ctx.needs_input_grad[0]
+        dev_type = h.device.type
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        hits = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
+        grad_h = torch.empty_like(h) if need_grad else None
+        with torch.autocast(dev_type, enabled=False):
+            for s in range(0, h.shape[0], chunk):
+                hc, y, w = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk], row_w[s:s + chunk]
+                logits = (hc @ weight.t()).float()
+                lse = torch.logsumexp(logits, -1)
+                picked = logits.gather(1, y[:, None])[:, 0]
+                total += (w * (lse - picked)).sum()
+                hits[s:s + chunk] = logits.argmax(-1) == y
+                if need_grad:  # d/dlogits = (softmax - onehot) * w / denom
+                    logits.sub_(lse[:, None]).exp_()
+                    logits.scatter_add_(1, y[:, None], -torch.ones_like(picked)[:, None])
+                    logits.mul_((w / denom)[:, None])
+                    grad_h[s:s + chunk] = (logits.to(weight.dtype) @ weight).to(h.dtype)
+        ctx.save_for_backward(grad_h if need_grad else None)
+        ctx.mark_non_differentiable(hits)
+        return total / denom, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hits):
+        (grad_h,) = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
+        return gh, None, None, None, None, None
+
+
+def head_loss(h: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
+              loss_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted-mean CE of the LM head over rows ``h [P, H]``; returns (loss, weight_sum, hits [P])."""
+    wsum = row_weights.float().sum()
+    denom = wsum.clamp_min(1e-6)
+    loss, hits = _ChunkedHeadCE.apply(h, lm_head_weight, labels, row_weights.float(), denom, max(1, loss_chunk))
+    return loss, wsum, hits
+
+
+def add_noise(hidden: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Target features plus N(0, std^2) noise (drawn on the generator's device)."""
+    if std <= 0:
+        return hidden
+    gdev = generator.device if generator is not None else hidden.device
+    noise = torch.randn(hidden.shape, generator=generator, device=gdev, dtype=torch.float32)
+    return (hidden.float() + std * noise.to(hidden.device)).to(hidden.dtype)
+
+
+def dflash_loss(drafter, batch: Any, num_anchors: int, gamma: float, generator: torch.Generator | None = None,
+                noise_std: float = 0.0, loss_chunk: int = 4096) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DFlash loss of one microbatch and its stats (see the module contract)."""
+    hidden = _field(batch, "hidden")
+    dev = hidden.device
+    input_ids = _field(batch, "input_ids").to(dev)
+    loss_mask = _field(batch, "loss_mask").to(dev)
+    cu = _field(batch, "cu_seqlens").to(device=dev, dtype=torch.long)
+    if cu.numel() < 2 or int(cu[-1]) != hidden.shape[0] or input_ids.shape[0] != hidden.shape[0]:
+        raise DflashError(f"batch: cu_seqlens ends at {int(cu[-1]) if cu.numel() else None} but hidden has "
+                          f"{hidden.shape[0]} rows and input_ids {input_ids.shape[0]}; the shard is inconsistent")
+    B = drafter.block_size
+    anchors = sample_anchors(loss_mask, cu, B, num_anchors, generator)
+    A = anchors.shape[0]
+    zeros = torch.zeros(B - 1, dtype=torch.long, device=dev)
+    if A == 0:
+        loss = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
+        zero = torch.zeros((), device=dev)
+        return loss, {"correct": zeros, "total": zeros.clone(), "loss_sum": zero, "weight_sum": zero.clone(),
+                      "num_anchors": torch.zeros((), dtype=torch.long, device=dev)}
+    hidden = add_noise(hidden, noise_std, generator)
+    out = drafter.forward_train(hidden, input_ids, cu, anchors)[:, 1:]  # [A, B-1, H]
+    labels, valid = block_labels(input_ids, loss_mask, cu, anchors, B)
+    w = decay_weights(B, gamma, dev)[None, :] * valid
+    loss, wsum, hits = head_loss(out.reshape(-1, out.shape[-1]), drafter.lm_head_weight, labels.reshape(-1),
+                                 w.reshape(-1), loss_chunk)
+    hits = hits.view(A, B - 1) & valid
+    stats = {"correct": hits.sum(0), "total": valid.sum(0), "loss_sum": loss.detach() * wsum.clamp_min(1e-6),
+             "weight_sum": wsum, "num_anchors": torch.tensor(A, device=dev)}
+    return loss, stats
+
+
+def noise_std_at(step: int, total_steps: int, noise_std: float, schedule: str = "constant") -> float:
+    """Noise level at ``step``: constant, or decayed linearly / by a half cosine to 0 at ``total_steps``."""
+    if noise_std <= 0:
+        return 0.0
+    frac = min(max(step / max(total_steps, 1), 0.0), 1.0)
+    if schedule == "constant":
+        return noise_std
+    if schedule == "linear":
+        return noise_std * (1.0 - frac)
+    if schedule == "cosine":
+        return noise_std * 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise DflashError(f"train.noise_schedule={schedule!r}: use constant, linear or cosine")
+
+
+def per_offset_accuracy(correct, total) -> list[float]:
+    """Top-1 accuracy per block offset from summed counts (0 where nothing was counted)."""
+    c = torch.as_tensor(correct).double().cpu()
+    t = torch.as_tensor(total).double().cpu()
+    return (c / t.clamp_min(1)).tolist()
+
+
+def acceptance_metrics(per_offset_acc) -> tuple[list[float], float]:
+    """(accuracies, implied acceptance length ``tau = 1 + sum_k prod_{j<=k} acc_j``; includes the bonus token)."""
+    acc = [float(a) for a in per_offset_acc]
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return acc, tau
