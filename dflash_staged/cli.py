@@ -33,7 +33,7 @@ def main() -> None:
 @user_errors
 def plan_cmd(config_path, data_path, manifest_dir, epochs, seed, skip_bad):
     """Tokenise the data, bucket and batch it, and write the job manifest."""
-    from dflash_staged.plan.batching import plan_manifest
+    from dflash_staged.plan.command import plan_manifest
     click.echo(plan_manifest(config_path, data_path, manifest_dir, epochs=epochs, seed=seed, skip_bad=skip_bad,
                              progress=True))
 
@@ -47,7 +47,7 @@ def status_cmd(manifest_dir, as_json, list_jobs):
     """Show job states, the window and progress of a manifest."""
     import json
     from dflash_staged.manifest import Manifest
-    from dflash_staged.plan.batching import format_status
+    from dflash_staged.manifest.status import format_status
     with Manifest.open(manifest_dir, readonly=True) as m:
         if list_jobs:
             jobs = [{"id": j.id, "epoch": j.epoch, "pos": j.pos, "bucket": j.bucket, "sample_ids": j.sample_ids,
@@ -78,7 +78,8 @@ def status_cmd(manifest_dir, as_json, list_jobs):
 @user_errors
 def extract(manifest_dir, store_dir, devices, window, window_bytes, train_ranks, allow_slow_kernels, dtype):
     """Run target workers that write hidden-state shards for the manifest's jobs."""
-    from dflash_staged.extract.worker import options_from, run_extract
+    from dflash_staged.extract.options import options_from
+    from dflash_staged.extract.supervisor import run_extract
     from dflash_staged.manifest import Manifest
     with Manifest.open(manifest_dir) as m:
         cfg = m.config
@@ -101,34 +102,49 @@ def extract(manifest_dir, store_dir, devices, window, window_bytes, train_ranks,
               help="Override a train (and, with --replay, drafter) setting, e.g. --set train.lr=1e-3.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--no-verify", is_flag=True, help="Skip shard checksum verification on read.")
-@click.option("--max-steps", type=int, default=None, help="Stop (with a checkpoint) after this many steps.")
-@click.option("--nproc", type=int, default=1, show_default=True, help="Trainer ranks: relaunch under torchrun (DDP).")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Stop (with a checkpoint) once this many steps are done; the schedule is unchanged.")
+@click.option("--total-steps", type=click.IntRange(min=1), default=None,
+              help="The learning-rate (and noise) schedule's length [default: one pass over the data].")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Trainer ranks: relaunch under torchrun (DDP).")
 @click.option("--tensorboard", is_flag=True, help="Also log to RUN_DIR/tensorboard.")
 @user_errors
 def train(manifest_dir, store_dir, out_dir, replay, keep_shards, order_from, passes, sets, device, no_verify,
-          max_steps, nproc, tensorboard):
+          max_steps, total_steps, nproc, tensorboard):
     """Train the drafter from the shards extract writes (or replay a kept store)."""
     import os
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        args = [a for a in sys.argv[1:]]
-        i = args.index("--nproc")
-        del args[i:i + 2]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "dflash_staged"] + args
+               "-m", "dflash_staged"] + without_option(sys.argv[1:], "--nproc")
         os.execv(sys.executable, cmd)
     if order_from and not replay:
         raise DflashError("--order-from needs --replay")
-    from dflash_staged.train.trainer import TrainOptions, build_run
     from dflash_staged.train.loop import train_loop
+    from dflash_staged.train.options import TrainOptions
+    from dflash_staged.train.trainer import build_trainer
     opts = TrainOptions(manifest=manifest_dir, store=store_dir, out=out_dir, replay=replay, keep_shards=keep_shards,
                         order_from=order_from, passes=passes, overrides=parse_sets(sets), device=device,
-                        verify=not no_verify, max_steps=max_steps, tensorboard=tensorboard)
-    run = build_run(opts)
+                        verify=not no_verify, max_steps=max_steps, total_steps=total_steps, tensorboard=tensorboard)
+    trainer = build_trainer(opts)
     try:
-        code = train_loop(run)
+        code = train_loop(trainer)
     finally:
-        run.close()
+        trainer.close()
     sys.exit(code)
+
+
+def without_option(args: list[str], name: str) -> list[str]:
+    """``args`` without the option ``name`` and its value, spelled ``--name V`` or ``--name=V``."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
 
 
 @main.command("eval")
@@ -151,14 +167,15 @@ def eval_cmd(drafter_path, target_spec, prompts_path, max_new_tokens, limit, dev
              plot_path, out_path):
     """Greedy speculative decoding with the target: acceptance length tau, tokens/s vs plain greedy."""
     import json
-    from dflash_staged.evaluate.report import format_report, run_eval, write_json
+    from dflash_staged.evaluate.report import format_report, run_eval
+    from dflash_staged.fsutil import write_json_atomic
     report = run_eval(drafter_path, target_spec, prompts_path, max_new_tokens, device=device, limit=limit,
                       baseline=not no_baseline)
     if plot_path:
         from dflash_staged.evaluate.plot import plot_eval
         report["plot"] = str(plot_eval(report, plot_path))
     if out_path:
-        write_json(out_path, report)
+        write_json_atomic(out_path, report)
     click.echo(json.dumps(report) if as_json else format_report(report))
 
 

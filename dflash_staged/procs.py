@@ -1,4 +1,4 @@
-"""Process identity on this host: (host, pid, start time), since pids are reused.
+"""Process identity on this host: (host, pid, start time), since pids are reused; and process lifetime.
 
 The manifest records it for claims and for running extract/train processes; a claim or a
 process is dead when its pid is gone, reused (another start time) or a zombie. Liveness can
@@ -7,7 +7,9 @@ only be proven on the same host: elsewhere a claim waits for its lease to expire
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 
 HOST = socket.gethostname()
@@ -46,3 +48,11 @@ def pid_alive(host: str | None, pid: int | None, start: int | None) -> bool:
             return f.read().decode(errors="replace").rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: deliver ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG); no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

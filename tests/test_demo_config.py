@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline_helpers import demo_prepare
+from helpers import demo_prepare
 
 demo = demo_prepare()
 from dflash_staged.config import dflash_target_layers, load_config

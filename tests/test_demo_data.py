@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_helpers import demo_prepare
+from helpers import demo_prepare
 
 demo = demo_prepare()
 from dflash_staged.errors import DflashError

@@ -10,8 +10,8 @@ from dflash_staged.cli import main
 from dflash_staged.config import TargetConfig
 from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.evaluate.report import (DrafterProposer, acceptance_stats, greedy_generate, load_prompts,
-                                    speculative_generate)
+from dflash_staged.evaluate.prompts import load_prompts
+from dflash_staged.evaluate.speculative import DrafterProposer, acceptance_stats, greedy_generate, speculative_generate
 from dflash_staged.model.target import load_target
 from dflash_staged.model.tiny import MASK
 from dflash_staged.model.weights import save_drafter

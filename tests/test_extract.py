@@ -9,7 +9,7 @@ import torch
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 from dflash_staged.model.target import load_target
-from pipeline_helpers import dflash, plan, run_dflash
+from helpers import dflash, plan, run_dflash
 
 
 def _window(mdir):
@@ -35,8 +35,8 @@ def test_extract_two_workers_end_to_end(tmp_path):
                 s = s or ShardStore.open(store)
                 shard = s.read_shard(j.epoch, j.id, j.checksum)
                 assert shard.hidden.shape[0] == j.real_tokens
-                with m.tx() as c:
-                    c.execute("UPDATE jobs SET state='kept' WHERE id=?", (j.id,))
+                m.consume([j.id], step=0)
+                m.release([j.id], keep=True)
                 released.add(j.id)
         time.sleep(0.05)
     out = p.communicate()[0]
@@ -73,11 +73,9 @@ def test_kill9_worker_then_rerun(tmp_path):
     t0 = time.time()
     while victim is None and time.time() - t0 < 120 and p.poll() is None:
         for j in m.jobs("claimed"):
-            with m.conn:
-                pid = m.conn.execute("SELECT pid FROM jobs WHERE id=?", (j.id,)).fetchone()[0]
-            if pid:
-                victim = pid
-                os.kill(pid, signal.SIGKILL)
+            if j.pid:
+                victim = j.pid
+                os.kill(j.pid, signal.SIGKILL)
                 break
         time.sleep(0.01)
     assert victim is not None, "no worker claimed a job"

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from dflash_staged.launch.supervise import run_side_by_side
 from dflash_staged.cli import main
-from dflash_staged.launch.disk import bytes_per_token
+from dflash_staged.store import bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +99,7 @@ def test_node_dry_run_splits_gpus_and_prints_bandwidth(tmp_path):
     assert "--keep-shards" in tr
     text = "\n".join(lines)
     # Qwen3-8B: K=5 x H=4096 x 2 B + 5 = 40,965 B/token; 8000 tok/s x 4 GPUs -> 1.31 GB/s write, 2.62 GB/s total.
-    assert bytes_per_token(5, 4096) == 40_965 and "40,965 B" in text
+    assert bytes_per_token(5, 4096, 2) == 40_965 and "40,965 B" in text
     assert "1.31 GB/s written" in text and "2.62 GB/s (write + read)" in text
 
 
@@ -121,8 +121,8 @@ def test_node_gpu_ids_map_through_visible_devices_and_single_rank_skips_torchrun
 
 
 def test_existing_manifest_is_reused_and_a_different_plan_refused(tmp_path):
-    from pipeline_helpers import write_dataset
-    from dflash_staged.plan.batching import plan_manifest
+    from helpers import write_dataset
+    from dflash_staged.plan.command import plan_manifest
     data = write_dataset(tmp_path / "d.jsonl", n=8)
     plan_manifest("configs/tiny.toml", data, tmp_path / "w" / "manifest")
     args = ["pipeline", "--config", "configs/tiny.toml", "--data", str(data), "--workdir", str(tmp_path / "w")]
@@ -247,7 +247,7 @@ def test_children_do_not_outlive_a_killed_launcher():
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_bin_pipeline_end_to_end_on_tiny_target(tmp_path):
-    from pipeline_helpers import env, write_dataset
+    from helpers import env, write_dataset
     data = write_dataset(tmp_path / "d.jsonl", n=24)
     summary = tmp_path / "summary.json"
     r = subprocess.run([str(ROOT / "bin" / "pipeline"), "--config", "configs/tiny.toml", "--data", str(data),

@@ -66,9 +66,9 @@ def test_claim_order_window_and_publish(tmp_path):
     assert [(j.epoch, j.pos) for j in got] == [(0, 0), (0, 1), (0, 2)]
     r = m.claim("w0", window=3)
     assert r.job is None and r.window_full and r.window["shards"] == 3
-    assert m.mark_written(got[0], 100, "abc")
+    assert m.publish(got[0], 100, "abc")
     assert m.window() == {"shards": 3, "bytes": 100}
-    assert not m.mark_written(got[0], 100, "abc")  # no longer claimed
+    assert not m.publish(got[0], 100, "abc")  # no longer claimed
     m.take("t", 0, 5)
     m.consume([got[0].id], step=1)
     m.release([got[0].id])
@@ -83,8 +83,8 @@ def test_lost_claim_cannot_publish(tmp_path):
     time.sleep(0.05)
     j2 = m.claim("w1", window=10).job  # reclaims the expired lease first, in manifest order
     assert j2.id == j.id and j2.attempts == 2
-    assert not m.mark_written(j, 1, "x") and not m.extend_lease(j, 10)
-    assert m.mark_written(j2, 1, "x")
+    assert not m.publish(j, 1, "x") and not m.extend_lease(j, 10)
+    assert m.publish(j2, 1, "x")
     assert any(e["kind"] == "reclaim" for e in m.events())
 
 
@@ -108,7 +108,7 @@ def test_failed_after_max_attempts_and_abandon(tmp_path):
     assert state == "failed"
     assert m.job(0).state == "failed"
     j = m.claim("w", window=10).job
-    assert j.id == 1 and m.abandon(j)
+    assert j.id == 1 and m.give_back(j)
     assert m.job(1).state == "pending"
     st = m.status()
     assert st["failed"][0]["error"] == "boom 2"
@@ -122,7 +122,7 @@ def _claimer(path, out_q):
         r = m.claim(f"p{os.getpid()}", window=10**9)
         if r.job is None:
             break
-        assert m.mark_written(r.job, 1, "c")
+        assert m.publish(r.job, 1, "c")
         mine.append(r.job.id)
     out_q.put(mine)
 
@@ -147,7 +147,7 @@ def test_requeue_and_resume_trainer(tmp_path):
     jobs = []
     for _ in range(6):
         j = m.claim("w", window=10).job
-        m.mark_written(j, 10, "c")
+        m.publish(j, 10, "c")
         jobs.append(j)
     assert m.extract_done()
     taken = m.take("T", 0, 4)

@@ -9,7 +9,7 @@ import pytest
 
 from dflash_staged.train.checkpoint import consumed_jobs, latest_checkpoint, load_checkpoint
 from dflash_staged.manifest import Manifest
-from pipeline_helpers import dflash, plan, run_dflash, sample_while, status
+from helpers import dflash, plan, run_dflash, sample_while, status
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 

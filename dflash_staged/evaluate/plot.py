@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 
 from dflash_staged.errors import DflashError
+from dflash_staged.fsutil import atomic_write
 
 
 def plot_eval(report: dict, path: str | Path) -> Path:
@@ -36,15 +37,10 @@ def plot_eval(report: dict, path: str | Path) -> Path:
     ax2.grid(alpha=0.3)
     fig.suptitle(f"{Path(report.get('drafter', '')).name} on {report.get('target', '')}", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=100)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        fig.savefig(buf, format="png", dpi=100)
     finally:
         plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(path, buf.getvalue())
     return path

@@ -8,43 +8,26 @@ sustain ``2 x tok/s x extract GPUs x bytes/token``. The disk a window needs is
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from dflash_staged.store import bytes_per_token
 
 # Hidden sizes of the recipe targets, for the disk arithmetic when the model is not on local disk.
 KNOWN_HIDDEN = {"Qwen/Qwen3-8B": 4096, "Qwen/Qwen3.5-27B": 5120}
 
 
-def bytes_per_token(k: int, hidden: int, itemsize: int = 2) -> int:
-    """Store bytes per real token: K tapped states of `hidden` values, + int32 id + uint8 loss mask."""
-    return k * hidden * itemsize + 5
-
-
 def target_hidden_size(model: str, override: int | None = None) -> int | None:
-    """The target's hidden size without downloading: override, tiny config, local or cached
-    config.json, or the recipe table; None when unknown."""
+    """The target's hidden size without downloading: override, local or cached config, or the
+    recipe table; None when unknown."""
     if override:
         return override
-    if model.startswith("tiny:"):
-        from dflash_staged.model.tiny import tiny_config
-        return tiny_config(model.split(":", 1)[1]).hidden_size
-    paths = [Path(model) / "config.json"]
+    from dflash_staged.config import TargetConfig
+    from dflash_staged.errors import DflashError
+    from dflash_staged.model.dims import target_dims
     try:
-        from huggingface_hub import try_to_load_from_cache
-        cached = try_to_load_from_cache(model, "config.json")
-        if isinstance(cached, str):
-            paths.append(Path(cached))
-    except Exception:  # noqa: BLE001 - not a repo id, or no hub client: fall through
-        pass
-    for p in paths:
-        try:
-            c = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        c = c.get("text_config") or c
-        if isinstance(c.get("hidden_size"), int):
-            return c["hidden_size"]
-    return KNOWN_HIDDEN.get(model)
+        return target_dims(TargetConfig(model=model), local_only=True).hidden_size
+    except DflashError:
+        return KNOWN_HIDDEN.get(model)
 
 
 def _si(n: float) -> str:

@@ -57,30 +57,25 @@ def dflash_cmd(*args: str) -> list[str]:
     return [PY, "-m", "dflash_staged", *map(str, args)]
 
 
-def _diff(a, b, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
-    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} -> {b!r}"]
-
-
 def plan_cmd_if_needed(config: Path, data: Path, manifest: Path, epochs: int, seed: int) -> list[str] | None:
-    """The `dflash plan` command, or None when `manifest` already holds a plan of this config,
-    epochs and seed. A plan of anything else is an error naming the differences (extract and
-    train read the config from the manifest, so an edited config would be silently ignored)."""
+    """The `dflash plan` command, or None when `manifest` already holds this plan (the same config,
+    data, epochs and seed: the manifest's own check). A plan of anything else is an error naming
+    the differences (extract and train read the plan from the manifest, so an edited config or new
+    data would be silently ignored)."""
+    from dflash_staged.config import load_config
+    from dflash_staged.manifest import Manifest, ManifestMismatchError, plan_identity
+    from dflash_staged.plan.dataset import data_hash
     cmd = dflash_cmd("plan", "--config", config, "--data", data, "--manifest", manifest, "--epochs", str(epochs),
                      "--seed", str(seed))
-    if not (manifest / "manifest.db").is_file():
+    if not Manifest.exists(manifest):
         return cmd
-    from dflash_staged.config import load_config
-    from dflash_staged.manifest import Manifest
-    cfg = load_config(config)
+    wanted = plan_identity(load_config(config).to_dict(), data_hash(data), epochs, seed)
     with Manifest.open(manifest, readonly=True) as m:
-        have = {"config": m.config.to_dict(), "epochs": m.meta["epochs"], "seed": m.meta["seed"]}
-    diffs = _diff(have, {"config": cfg.to_dict(), "epochs": epochs, "seed": seed})
-    if diffs:
-        raise DflashError(f"{manifest} was planned from other settings ({'; '.join(diffs[:6])}"
-                          f"{'; ...' if len(diffs) > 6 else ''}); use another --workdir, or delete {manifest} "
-                          f"(and {manifest.parent / 'store'}, {manifest.parent / 'run'}) to re-plan")
+        try:
+            m.check_same_plan(wanted)
+        except ManifestMismatchError as e:
+            raise DflashError(f"{e}; or use another --workdir (delete {manifest.parent / 'store'} and "
+                              f"{manifest.parent / 'run'} with it)") from None
     return None
 
 

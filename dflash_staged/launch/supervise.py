@@ -30,8 +30,6 @@ Supervision contract of :func:`run_side_by_side`:
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import shlex
 import signal
@@ -42,27 +40,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_staged.fsutil import dir_bytes, write_json_atomic  # noqa: F401 (dir_bytes is part of the launcher API)
+from dflash_staged.procs import die_with_parent
+from dflash_staged.launch.monitor import Monitor, summary
 
 POLL_S = 0.2
 PY = sys.executable
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
-
-
-
-
-def _die_with_launcher() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _descendants(pid: int) -> list[int]:
@@ -97,6 +79,10 @@ class Proc:
     def describe(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return (env + " " if env else "") + shlex.join(self.cmd)
+
+
+def _die_with_launcher() -> None:  # runs in the child between fork and exec
+    die_with_parent(signal.SIGTERM)
 
 
 class _Child:
@@ -160,85 +146,6 @@ class _Child:
         return 128 - c if c < 0 else c  # killed by signal N -> 128 + N
 
 
-class _Monitor:
-    """Read-only view of the manifest and the store size, for the status line and the summary."""
-
-    def __init__(self, manifest: Path | None, store: Path | None, run_dir: Path | None):
-        self.manifest, self.store, self.run_dir = manifest, store, run_dir
-        self.m = None
-        self.peak_store = self.last_store = 0
-        self.peak_window = {"shards": 0, "bytes": 0}
-        self._next_sample, self._walk_s = 0.0, 0.0
-
-    def _open(self):
-        if self.m is None and self.manifest is not None and (self.manifest / "manifest.db").is_file():
-            from dflash_staged.manifest import Manifest
-            self.m = Manifest.open(self.manifest, readonly=True)
-        return self.m
-
-    def sample_store(self) -> int:
-        """Store bytes now (walk at most every max(1 s, 20 x the walk time)); tracks the peak."""
-        if self.store is None or time.monotonic() < self._next_sample:
-            return self.last_store
-        t = time.monotonic()
-        now = dir_bytes(self.store)
-        self._walk_s = time.monotonic() - t
-        self._next_sample = time.monotonic() + max(1.0, 20 * self._walk_s)
-        self.peak_store = max(self.peak_store, now)
-        self.last_store = now
-        return now
-
-    def status(self) -> dict | None:
-        try:
-            m = self._open()
-            if m is None:
-                return None
-            st = m.status()
-            st["tokens_by_state"] = {r[0]: int(r[1] or 0) for r in
-                                     m.conn.execute("SELECT state, SUM(real_tokens) FROM jobs GROUP BY state")}
-        except Exception:  # noqa: BLE001 - a status line is best effort (db busy, being created, ...)
-            return None
-        w = st["window"]
-        if w["shards"] > self.peak_window["shards"] or w["bytes"] > self.peak_window["bytes"]:
-            self.peak_window = {"shards": max(w["shards"], self.peak_window["shards"]),
-                                "bytes": max(w["bytes"], self.peak_window["bytes"])}
-        return st
-
-    def line(self) -> str | None:
-        st = self.status()
-        store_now = self.sample_store()
-        if st is None:
-            return None
-        j, total = st["jobs"], max(1, st["total_jobs"])
-        extracted = sum(j[k] for k in ("written", "consumed", "released", "kept"))
-        trained = sum(j[k] for k in ("consumed", "released", "kept"))
-        w = st["window"]
-        return (f"jobs extracted {extracted}/{total}, trained {trained}/{total}"
-                f"{', failed ' + str(j['failed']) if j['failed'] else ''} | window {w['shards']} shards "
-                f"{_human(w['bytes'])} | store {_human(store_now)} "
-                f"(peak {_human(self.peak_store)})")
-
-    def losses(self) -> tuple[int, float | None, float | None]:
-        steps, first, last = 0, None, None
-        path = self.run_dir / "metrics.jsonl" if self.run_dir else None
-        if path is None or not path.is_file():
-            return steps, first, last
-        for text in path.read_text().splitlines():
-            try:
-                rec = json.loads(text)
-            except ValueError:
-                continue
-            steps = max(steps, int(rec.get("step") or 0))
-            if rec.get("loss") is not None:
-                first = rec["loss"] if first is None else first
-                last = rec["loss"]
-        return steps, first, last
-
-    def close(self) -> None:
-        if self.m is not None:
-            self.m.close()
-
-
 def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_cmd: list[str],
                      env_extract: dict[str, str] | None = None, env_train: dict[str, str] | None = None, *,
                      manifest: Path | None = None, store: Path | None = None, run_dir: Path | None = None,
@@ -277,7 +184,7 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
     if threading.current_thread() is threading.main_thread():  # (signals ignored on purpose, e.g. nohup, stay so)
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                if signal.getsignal(s) is not signal.SIG_IGN}
-    mon = _Monitor(manifest, store, run_dir)
+    mon = Monitor(manifest, store, run_dir)
     said = [0]
 
     def report_signals() -> None:
@@ -360,7 +267,7 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
             code = ex.exit_code()
         else:
             code = 0
-        _summary(say, mon, code, plan_s, ex, tr, time.monotonic() - t_start, summary_path)
+        summary(say, mon, code, plan_s, ex, tr, time.monotonic() - t_start, summary_path)
         return code
     finally:
         for c in children.values():
@@ -369,34 +276,3 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
         for s, h in old.items():
             signal.signal(s, h)
         mon.close()
-
-
-def _summary(say, mon: _Monitor, code: int, plan_s: float, ex: _Child, tr: _Child, total_s: float,
-             summary_path: Path | None) -> dict:
-    mon._next_sample = 0.0
-    mon.sample_store()
-    st = mon.status() or {}
-    tok = st.get("tokens_by_state", {})
-    steps, first, last = mon.losses()
-    s = {"exit_code": code, "plan_s": round(plan_s, 2), "extract_s": round(ex.seconds(), 2),
-         "train_s": round(tr.seconds(), 2), "total_s": round(total_s, 2), "extract_exit": ex.exit_code(),
-         "train_exit": tr.exit_code(), "jobs": st.get("jobs"), "total_jobs": st.get("total_jobs"),
-         "tokens_extracted": sum(tok.get(k, 0) for k in ("written", "consumed", "released", "kept")),
-         "tokens_trained": sum(tok.get(k, 0) for k in ("consumed", "released", "kept")),
-         "peak_store_bytes": mon.peak_store, "peak_window": mon.peak_window, "steps": steps,
-         "loss_first": first, "loss_last": last,
-         "manifest": str(mon.manifest) if mon.manifest else None, "store": str(mon.store) if mon.store else None,
-         "run_dir": str(mon.run_dir) if mon.run_dir else None}
-    say(f"summary: exit {code} | plan {plan_s:.1f} s, extract {ex.seconds():.1f} s (exit {ex.exit_code()}), "
-        f"train {tr.seconds():.1f} s (exit {tr.exit_code()}), total {total_s:.1f} s")
-    if st:
-        jobs = ", ".join(f"{k} {n}" for k, n in st["jobs"].items() if n)
-        say(f"jobs {st['total_jobs']}: {jobs} | tokens extracted {s['tokens_extracted']:,}, trained "
-            f"{s['tokens_trained']:,} | peak store {_human(mon.peak_store)} ({mon.peak_store:,} B), peak window "
-            f"{mon.peak_window['shards']} shards")
-    if steps:
-        say(f"training: {steps} steps, loss {first if first is None else f'{first:.4f}'} -> "
-            f"{last if last is None else f'{last:.4f}'} | run dir {mon.run_dir}")
-    if summary_path is not None:
-        write_json_atomic(summary_path, s)
-    return s

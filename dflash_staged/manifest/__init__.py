@@ -1,6 +1,14 @@
-"""The manifest: job state shared by every stage. The state machine is specified in
-:mod:`dflash_staged.manifest.sqlite`; this package is the only code that reads or writes it."""
+"""The manifest: the single source of truth for job state, shared by every stage.
 
-from dflash_staged.manifest.build import FORMAT_VERSION, ONE_HOST, ManifestError  # noqa: F401
-from dflash_staged.manifest.sqlite import (IN_WINDOW, STATES, ClaimResult, Job, Manifest,  # noqa: F401
-                                           ManifestMismatchError, TrainerBusyError)
+The job state machine is specified in :mod:`dflash_staged.manifest.states`; the operations
+every stage uses are those of :class:`Manifest` (:mod:`dflash_staged.manifest.base`), whose
+``open``/``create`` pick the backend from the address. No code outside this package reads or
+writes job state.
+"""
+
+from dflash_staged.manifest.base import Manifest  # noqa: F401
+from dflash_staged.manifest.build import ONE_HOST  # noqa: F401
+from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, GROUPS, IN_WINDOW, STATES,  # noqa: F401
+                                           TO_EXTRACT, TRAINED, ClaimResult, Job, ManifestError,
+                                           ManifestMismatchError, Proc, TrainerBusyError, diff_dicts,
+                                           group_counts, plan_identity)

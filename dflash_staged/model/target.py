@@ -36,13 +36,14 @@ from pathlib import Path
 import torch
 
 from dflash_staged.config import TargetConfig, dflash_target_layers
+from dflash_staged.dtypes import resolve_dtype
+from dflash_staged.model.dims import text_config
 from dflash_staged.errors import DflashError
 from dflash_staged.model.preflight import KernelPreflightError, is_hybrid_config, preflight_kernels  # noqa: F401 (re-export)
 
 __all__ = ["Target", "load_target", "load_tokenizer", "resolve_layer_ids", "resolve_dtype", "pad_batch",
            "pack_unpadded", "crop_cache", "preflight_kernels", "KernelPreflightError"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Candidate locations of the decoder layer list, most common first.
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers",
                 "language_model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers")
@@ -55,16 +56,6 @@ _VOLATILE_KEYS = {"transformers_version", "_name_or_path", "name_or_path", "torc
 
 class _StopForward(Exception):
     """Raised by the deepest tapped layer's hook to end the forward early."""
-
-
-def resolve_dtype(name: str, device) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA and float32 elsewhere; other names map directly."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise DflashError(f"target.dtype={name!r}: use one of auto, {', '.join(_DTYPES)}") from None
 
 
 def resolve_layer_ids(cfg: TargetConfig, num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -182,7 +173,7 @@ class Target:
     def __init__(self, model, layer_ids: list[int], target_id: str, device, model_config=None):
         self.model = model.eval().requires_grad_(False)
         cfg = model_config if model_config is not None else model.config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = text_config(cfg)
         self.num_layers: int = text.num_hidden_layers
         self.hidden_size: int = text.hidden_size
         self.vocab_size: int = text.vocab_size
@@ -315,7 +306,7 @@ def load_target(cfg: TargetConfig, device="cpu", *, layer_ids: list[int] | None 
         if "device_map" not in kwargs:
             model.to(device)
         model_config = model.config
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     if layer_ids is None:
         layer_ids = resolve_layer_ids(cfg, text.num_hidden_layers, num_draft_layers)
     return Target(model, layer_ids, _target_id(cfg, model_config), device, model_config)

@@ -14,9 +14,8 @@ Contract:
   (``tests/test_drafter_reference.py``); SGLang and vLLM read the same fields.
   There is no ``auto_map``/``dflash.py`` (that code is the reference's, not ours),
   so ``AutoModel(..., trust_remote_code=True)`` needs that file copied in.
-* :func:`save_drafter` writes into a temporary sibling, fsyncs the files and the
-  directory, then renames it into place; an existing checkpoint of the same name
-  is replaced only after the new one is complete.
+* :func:`save_drafter` writes it with :func:`dflash_staged.fsutil.atomic_dir`: an existing
+  checkpoint of the same name is replaced only after the new one is complete.
 * :func:`load_embed_and_head` reads only the two target tensors (``[V, H]`` each):
   from the safetensors files of a local directory or a hub repo (only the needed
   shard files are downloaded; ``HF_HUB_OFFLINE`` is honoured), from a GGUF file
@@ -29,20 +28,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.dtypes import torch_dtype
 from dflash_staged.errors import DflashError
-from dflash_staged.fsutil import fsync_path
+from dflash_staged.fsutil import atomic_dir
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
                "language_model.model.embed_tokens.weight", "model.text_model.embed_tokens.weight",
                "embed_tokens.weight", "transformer.wte.weight")
@@ -56,38 +53,22 @@ def drafter_state_dict(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, 
     return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
 
 
-def save_drafter(drafter: DFlashDrafter, dir: str | Path, dtype: str | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` to ``dir`` atomically; weights in ``dtype``
+def write_drafter_files(drafter: DFlashDrafter, dir: Path, dtype: str | None = None) -> None:
+    """``config.json`` + ``model.safetensors`` into the existing directory ``dir``; weights in ``dtype``
     (default: the config's ``dtype``), which is also what ``config.json`` declares."""
     from safetensors.torch import save_file
+    name = dtype or drafter.dcfg.dtype
+    torch_dt = torch_dtype(name, "checkpoint dtype")
+    (Path(dir) / CONFIG_NAME).write_text(DraftModelConfig(**{**drafter.dcfg.__dict__, "dtype": name}).to_json())
+    save_file(drafter_state_dict(drafter, torch_dt), str(Path(dir) / WEIGHTS_NAME), metadata={"format": "pt"})
 
-    dir = Path(dir)
-    dcfg = drafter.dcfg
-    name = dtype or dcfg.dtype
-    if name not in _DTYPES:
-        raise DflashError(f"checkpoint dtype {name!r}: use float32, bfloat16 or float16")
-    cfg = DraftModelConfig(**{**dcfg.__dict__, "dtype": name})
-    dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dir.name}.tmp-", dir=dir.parent))
-    try:
-        (tmp / CONFIG_NAME).write_text(cfg.to_json())
-        save_file(drafter_state_dict(drafter, _DTYPES[name]), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        for f in (CONFIG_NAME, WEIGHTS_NAME):
-            fsync_path(tmp / f)
+
+def save_drafter(drafter: DFlashDrafter, dir: str | Path, dtype: str | None = None) -> Path:
+    """Write a reference-format drafter checkpoint directory ``dir`` atomically (replacing an old one)."""
+    with atomic_dir(Path(dir), replace=True) as tmp:
+        write_drafter_files(drafter, tmp, dtype)
         os.chmod(tmp, 0o755)
-        fsync_path(tmp)
-        old = None
-        if dir.exists():
-            old = dir.parent / f".{dir.name}.old-{os.getpid()}"
-            os.replace(dir, old)
-        os.replace(tmp, dir)
-        fsync_path(dir.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dir
+    return Path(dir)
 
 
 def read_drafter_config(dir: str | Path) -> DraftModelConfig:
@@ -142,7 +123,7 @@ def load_drafter(dir: str | Path, embed_weight: torch.Tensor, lm_head_weight: to
         if tuple(v.shape) != want:
             raise DflashError(f"{dir}: tensor {k} has shape {tuple(v.shape)}, config.json implies {want}")
     drafter.load_state_dict(state)
-    target_dtype = dtype or _DTYPES[dcfg.dtype]
+    target_dtype = dtype or torch_dtype(dcfg.dtype)
     for p in drafter.parameters():
         p.data = p.data.to(target_dtype)
     return drafter.to(device)

@@ -22,7 +22,6 @@ Contract (what :mod:`dflash_staged.manifest` stores and extract/train rely on):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -180,84 +179,3 @@ def random_batches_waste(lengths: np.ndarray, token_budget: int, seed: int = 0) 
             n, longest = n + 1, m
     padded += n * longest
     return 1.0 - int(lengths.sum()) / padded
-
-
-# --- the `dflash plan` / `dflash status` commands ------------------------------------------
-
-def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: str | Path | None = None, *,
-                  epochs: int = 1, seed: int = 0, skip_bad: bool = False, progress: bool = False) -> str:
-    """Ingest, plan and create the manifest (a no-op if it exists with the same inputs); return a summary.
-
-    Everything is computed in memory first, so a failing ingestion writes nothing.
-    """
-    from dflash_staged.config import ConfigError, load_config
-    from dflash_staged.plan.dataset import load_dataset, target_text_config, target_vocab_size
-    from dflash_staged.manifest import Manifest
-    from dflash_staged.model.target import resolve_layer_ids
-
-    cfg = load_config(config_path)
-    manifest_dir = Path(manifest_dir) if manifest_dir else Path("manifests") / Path(config_path).stem
-    layer_ids = resolve_layer_ids(cfg.target, target_text_config(cfg.target).num_hidden_layers,
-                                  cfg.drafter.num_hidden_layers)
-    vocab, mask_id = target_vocab_size(cfg.target), cfg.drafter.mask_token_id
-    if mask_id != -1 and not 0 <= mask_id < vocab:
-        raise ConfigError(f"{config_path}: drafter.mask_token_id={mask_id} is outside the target vocabulary "
-                          f"0..{vocab - 1}; use -1 (= len(tokenizer)) or an unused or special id below {vocab}")
-    samples, data_hash = load_dataset(data_path, cfg, skip_bad=skip_bad, progress=progress)
-    plan = make_plan(samples.lengths(), cfg, epochs, seed)
-    existed = (manifest_dir / "manifest.db").exists()
-    with Manifest.create(manifest_dir, config=cfg, samples=samples, plan=plan,
-                         data_path=str(Path(data_path).resolve()), data_hash=data_hash, layer_ids=layer_ids):
-        pass
-    head = (f"{manifest_dir} already holds this plan (same config, data, epochs and seed); nothing to do"
-            if existed else f"planned {manifest_dir}")
-    return head + "\n" + format_plan_summary(samples, plan, str(data_path), cfg.data.max_len,
-                                              cfg.min_loss_tokens, layer_ids)
-
-
-def format_plan_summary(samples, plan: Plan, data_path: str, max_len: int, min_loss: int,
-                        layer_ids: list[int] | None = None) -> str:
-    st = samples.stats
-    lines = [f"  samples: {st['samples']:,} from {data_path} ({st['lines']:,} lines)"]
-    skipped = [f"{st['bad']:,} bad"] if st.get("bad") else []
-    if st.get("skipped_long"):
-        skipped.append(f"{st['skipped_long']:,} longer than max_len {max_len}")
-    if st.get("skipped_short_loss"):
-        skipped.append(f"{st['skipped_short_loss']:,} with < {min_loss} loss tokens")
-    lines.append(f"  skipped: {', '.join(skipped) or 'none'}"
-                 + (f"; truncated to {max_len}: {st['truncated']:,}" if st.get("truncated") else ""))
-    for ex in getattr(samples, "bad_examples", [])[:3]:
-        lines.append(f"    e.g. {ex}")
-    lows = [1] + [e + 1 for e in plan.edges[:-1]]
-    buckets = [f"{a}-{b}: {n}" for a, b, n in zip(lows, plan.edges, plan.bucket_counts())]
-    lines.append(f"  buckets (length range: jobs per epoch): {', '.join(buckets)}")
-    lines.append(f"  jobs: {len(plan.batches):,} per epoch x {plan.epochs} epoch(s) = {plan.num_jobs:,}; "
-                 f"seed {plan.seed}")
-    lines.append(f"  tokens per epoch: {plan.tokens_real:,} real, {plan.tokens_padded:,} padded; "
-                 f"padding waste {plan.padding_waste:.2%}")
-    if layer_ids is not None:
-        lines.append(f"  tapped target layers: {layer_ids}")
-    return "\n".join(lines)
-
-
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
-
-
-def format_status(st: dict) -> str:
-    """Human form of ``Manifest.status()``: a table of job states and a progress line."""
-    jobs, total = st["jobs"], max(1, sum(st["jobs"].values()))
-    rows = [f"{'state':<10}{'jobs':>10}{'share':>9}"]
-    rows += [f"{k:<10}{n:>10,}{n / total:>9.1%}" for k, n in jobs.items()]
-    extracted = sum(jobs[k] for k in ("written", "consumed", "released", "kept"))
-    trained = sum(jobs[k] for k in ("consumed", "released", "kept"))
-    win = st["window"]
-    rows.append(f"extracted {extracted:,}/{total:,} ({extracted / total:.1%}), trained {trained:,}/{total:,} "
-                f"({trained / total:.1%}) over {st['epochs']} epoch(s); window {win['shards']} shards "
-                f"{_human_bytes(win['bytes'])}; extract {'done' if st['extract_done'] else 'running'}; "
-                f"padding waste {st['padding_waste']:.2%}")
-    return "\n".join(rows)

@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from dflash_staged.config import Config, TargetConfig
 from dflash_staged.errors import DflashError
+from dflash_staged.model.dims import target_dims
 
 FIX_HINT = "fix or remove the line, or pass --skip-bad to skip bad lines"
 
@@ -84,36 +85,7 @@ class Samples:
         return self.tokens[a:b], self.loss_mask[a:b]
 
 
-# --- target facts: vocabulary size and tokenizer --------------------------------------------
-
-def target_text_config(tcfg: TargetConfig):
-    """The target's (text) model config, without loading weights: vocab_size, num_hidden_layers."""
-    if tcfg.model.startswith("tiny:"):
-        from dflash_staged.model.tiny import KINDS, tiny_config
-        kind = tcfg.model.split(":", 1)[1]
-        if kind not in KINDS:
-            raise DatasetError(f"target.model={tcfg.model!r}: unknown tiny target; use one of "
-                               f"{', '.join('tiny:' + k for k in KINDS)}")
-        mcfg = tiny_config(kind)
-    else:
-        try:
-            from transformers import AutoConfig
-            kw = {"gguf_file": tcfg.gguf_file} if tcfg.gguf_file else {}
-            mcfg = AutoConfig.from_pretrained(tcfg.model, **kw)
-        except Exception as e:  # noqa: BLE001 - any load failure is a user-fixable path problem
-            raise DatasetError(f"target.model={tcfg.model!r}: cannot read the model config "
-                               f"({type(e).__name__}: {e}); check the path or hub id (offline, the files "
-                               "must be local)") from None
-    return mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
-
-
-def target_vocab_size(tcfg: TargetConfig) -> int:
-    """The target's vocabulary size (2048 for tiny targets), from its model config."""
-    vocab = getattr(target_text_config(tcfg), "vocab_size", None)
-    if not vocab:
-        raise DatasetError(f"target.model={tcfg.model!r}: its config has no vocab_size")
-    return int(vocab)
-
+# --- the tokenizer -------------------------------------------------------------------------
 
 def _load_tokenizer(tcfg: TargetConfig):
     from dflash_staged.model.target import load_tokenizer  # the target module owns tokenizer loading
@@ -246,7 +218,7 @@ class _Parser:
 
     def __init__(self, cfg: Config, tokenizer=None):
         self.cfg = cfg
-        self.vocab = target_vocab_size(cfg.target)
+        self.vocab = target_dims(cfg.target).vocab_size
         self.mask_id = cfg.drafter.mask_token_id
         self._tok = tokenizer
 
@@ -307,6 +279,18 @@ class _Parser:
         return ids, mask
 
 
+def data_hash(path: str | Path) -> str:
+    """sha256 (hex) of the data file's bytes: the ``data_hash`` a manifest records for its plan."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read the data file ({e.strerror}); check the path") from None
+    return h.hexdigest()
+
+
 def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False,
                  tokenizer=None, progress: bool = False) -> tuple[Samples, str]:
     """Read and tokenise a JSONL file. Returns (samples, sha256 hex of the file bytes).
@@ -320,7 +304,7 @@ def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False,
         data = path.read_bytes()
     except OSError as e:
         raise DatasetError(f"{path}: cannot read the data file ({e.strerror}); check the path") from None
-    digest = hashlib.sha256(data).hexdigest()
+    digest = data_hash(path)
     if not data or data.isspace():
         raise DatasetError(f"{path}: the data file is empty; give one JSON object per line")
     parse = _Parser(cfg, tokenizer)

@@ -1,6 +1,10 @@
-"""The hidden-state shard store; its on-disk layout is specified in :mod:`dflash_staged.store.layout`."""
+"""The hidden-state shard store: extract writes shards, train reads and deletes them.
 
-from dflash_staged.store.layout import (ARRAYS, COMPRESSIONS, FORMAT_VERSION, LOGICAL_DTYPES, Shard,  # noqa: F401
-                                        ShardCorruptError, ShardError, ShardInfo, ShardMissingError, ShardStore,
-                                        ShardTruncatedError, StagedShard, StoreFullError, StoreMeta,
-                                        StoreMismatchError, StoreMissingError)
+The on-disk layout is specified in :mod:`dflash_staged.store.layout`.
+"""
+
+from dflash_staged.store.layout import ShardStore  # noqa: F401
+from dflash_staged.store.meta import (ARRAYS, COMPRESSIONS, FORMAT_VERSION, LOGICAL_DTYPES, Shard,  # noqa: F401
+                                      ShardCorruptError, ShardError, ShardInfo, ShardMissingError, ShardTruncatedError,
+                                      StagedShard, StoreFullError, StoreMeta, StoreMismatchError, StoreMissingError,
+                                      bytes_per_token)

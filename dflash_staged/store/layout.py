@@ -64,106 +64,19 @@ import errno
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import dir_bytes
-from dflash_staged.store.shardfiles import (ChunkError, array_json, bytes_view, chunk_file, combine_hex, empty_tensor, fsync_all,
-                         fsync_dir, group_json, hash_hex, new_hash, owner_dead, prefetch, read_chunk, temp_name,
-                         write_file, write_json, zstd)
-
-FORMAT_VERSION = 1
-ARRAYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens", "sample_ids")
-COMPRESSIONS = ("none", "zstd")
-# logical dtype -> (torch dtype, zarr data_type on disk)
-LOGICAL_DTYPES = {"bfloat16": (torch.bfloat16, "uint16"), "float16": (torch.float16, "float16"),
-                  "float32": (torch.float32, "float32")}
-_SMALL = {"input_ids": (torch.int32, "int32"), "loss_mask": (torch.uint8, "uint8"),
-          "cu_seqlens": (torch.int64, "int64"), "sample_ids": (torch.int64, "int64")}
-
-
-class ShardError(DflashError):
-    """A shard cannot be trusted; the manifest sends its job back to ``pending``."""
-
-
-class ShardMissingError(ShardError):
-    """The shard directory does not exist."""
-
-
-class ShardCorruptError(ShardError):
-    """Checksum mismatch, unreadable metadata, or not the shard the manifest recorded."""
-
-
-class ShardTruncatedError(ShardError):
-    """A chunk file is missing or shorter than the shard metadata says."""
-
-
-class StoreMismatchError(DflashError):
-    """The store was written for another manifest, target, layer set, hidden size or dtype."""
-
-
-class StoreMissingError(DflashError):
-    """No store at the given path."""
-
-
-class StoreFullError(DflashError):
-    """The disk holding the store is full (ENOSPC/EDQUOT); the partial shard was removed."""
-
-
-@dataclass
-class StoreMeta:
-    manifest_id: str
-    target_id: str
-    layer_ids: list[int]
-    hidden_size: int
-    logical_dtype: str
-    compression: str = "none"
-    format_version: int = FORMAT_VERSION
-
-    def __post_init__(self) -> None:
-        self.layer_ids = [int(i) for i in self.layer_ids]
-        if self.logical_dtype not in LOGICAL_DTYPES:
-            raise ValueError(f"logical_dtype={self.logical_dtype!r}: use one of {sorted(LOGICAL_DTYPES)}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression={self.compression!r}: use one of {COMPRESSIONS}")
-
-
-@dataclass
-class ShardInfo:
-    epoch: int
-    job_id: int
-    nbytes: int
-    checksum: str
-
-
-@dataclass
-class Shard:
-    """One job's packed samples, CPU tensors. ``hidden`` has the store's logical dtype."""
-    epoch: int
-    job_id: int
-    hidden: torch.Tensor      # [T, K, H]
-    input_ids: torch.Tensor   # [T] int32
-    loss_mask: torch.Tensor   # [T] bool
-    cu_seqlens: torch.Tensor  # [B+1] int64
-    sample_ids: torch.Tensor  # [B] int64
-    nbytes: int
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.hidden.shape[0])
-
-
-# ---------------------------------------------------------------- the store
-
-@dataclass
-class StagedShard:
-    """A completely written shard under its temporary name, not yet visible to readers."""
-    tmp: Path
-    info: ShardInfo
+from dflash_staged.store.meta import (ARRAYS, FORMAT_VERSION, LOGICAL_DTYPES, SMALL_ARRAYS, Shard, ShardCorruptError,
+                                      ShardInfo, ShardMissingError, ShardTruncatedError, StagedShard, StoreFullError,
+                                      StoreMeta, StoreMismatchError, StoreMissingError, bytes_per_token)
+from dflash_staged.store.shardfiles import (ChunkError, array_json, bytes_view, chunk_file, combine_hex, empty_tensor,
+                                            fsync_all, fsync_dir, group_json, hash_hex, new_hash, owner_dead, prefetch,
+                                            read_chunk, temp_name, write_file, write_json, zstd)
 
 
 class ShardStore:
@@ -289,9 +202,11 @@ class ShardStore:
 
     def estimate_nbytes(self, num_tokens: int, num_samples: int) -> int:
         """Uncompressed chunk bytes of a shard with these sizes."""
-        itemsize = torch.empty(0, dtype=self._torch_dtype).element_size()
-        return (num_tokens * (len(self.meta.layer_ids) * self.meta.hidden_size * itemsize + 5)
-                + (2 * num_samples + 1) * 8)
+        return num_tokens * self.bytes_per_token + (2 * num_samples + 1) * 8
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(len(self.meta.layer_ids), self.meta.hidden_size, self._torch_dtype.itemsize)
 
     def disk_bytes(self) -> int:
         """Bytes of all files under the store root (shards, temp leftovers, metadata)."""
@@ -312,7 +227,7 @@ class ShardStore:
             val = torch.as_tensor(val).detach().to("cpu")
             if val.dim() != 1:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(val.shape)}")
-            out[name] = val.to(_SMALL[name][0]).contiguous()
+            out[name] = val.to(SMALL_ARRAYS[name][0]).contiguous()
         ids, cu = torch.as_tensor(input_ids), out["cu_seqlens"]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
             raise ValueError("input_ids must lie in [0, 2**31)")
@@ -364,7 +279,7 @@ class ShardStore:
             tmp.mkdir()
             digests, entries, nbytes, to_sync = [], {}, 0, [tmp]
             for name, t in arrays.items():
-                zdtype = self._hidden_zdtype if name == "hidden" else _SMALL[name][1]
+                zdtype = self._hidden_zdtype if name == "hidden" else SMALL_ARRAYS[name][1]
                 view = bytes_view(t)
                 adir = tmp / name
                 adir.mkdir()
@@ -438,7 +353,7 @@ class ShardStore:
             prefetch(d / attrs["arrays"][name]["file"])
         for name in ARRAYS:
             e = attrs["arrays"][name]
-            dtype = self._torch_dtype if name == "hidden" else _SMALL[name][0]
+            dtype = self._torch_dtype if name == "hidden" else SMALL_ARRAYS[name][0]
             t = empty_tensor(e["shape"], dtype)
             view = bytes_view(t)
             if view.size != e["raw_bytes"]:

@@ -1,41 +1,49 @@
 """Trainer checkpoints: the resume point and the proof of what was trained.
 
-Format (one directory per checkpoint; no pickle anywhere)::
+Format, version :data:`FORMAT_VERSION` (one directory per checkpoint; no pickle anywhere)::
 
     RUN_DIR/checkpoints/step_{step:08d}/
-        config.json               the drafter in the reference DFlash format
-        model.safetensors         (servable as is; weights in the dtype config.json declares)
-        trainer_state.safetensors fp32 master weights   "master.<param name>"
-                                  AdamW moments         "opt.<param name>.exp_avg" / ".exp_avg_sq"
-                                  RNG states (uint8)    "rng.<name>"
-        trainer_state.json        step, optimizer step count, lr schedule, buffer job ids (draw
-                                  order), the jobs each step consumed {step: [[job, rank, tokens], ...]},
-                                  epoch position, manifest id, config snapshot, drafter config
+        config.json               the drafter in the reference DFlash format (servable as is;
+        model.safetensors         weights in the dtype config.json declares), see model.weights
+        trainer_state.safetensors "master.<param>"            fp32 master weights
+                                  "opt.<param>.exp_avg", "opt.<param>.exp_avg_sq"   AdamW moments
+        trainer_state.json        {"format_version": 1,
+                                   "step": optimizer steps completed,
+                                   "total_steps": the lr/noise schedule's length,
+                                   "opt_steps": AdamW's step count,
+                                   "consumed": {step: [[job id, rank, real tokens, bucket,
+                                                        mean sequence length], ...]} for every step,
+                                   "buffer": [[job ids admitted, in draw order], one list per rank],
+                                   "generators": [{"draw": b64, "anchor": b64}, one per rank]
+                                                 (torch.Generator states: buffer draws, anchors),
+                                   "world": trainer ranks, "mode": "live" | "replay",
+                                   "replay_pos": jobs of the replay sequence admitted (replay),
+                                   "manifest_id", "config" (resolved snapshot), "drafter_config",
+                                   "time": unix seconds}
 
-A checkpoint is written under ``.step_X.tmp-<pid>``, every file fsynced, then
-renamed into place and the parent fsynced: a directory named ``step_X`` is
-always complete. Only the newest checkpoint is a resume point; the last
-``keep`` are kept. The trainer deletes (or keeps) a shard only after a
-checkpoint covering the step that consumed it is durable, so falling back to
-an older checkpoint could re-train or lose data: if the newest checkpoint
-cannot be read, resuming fails loudly instead.
+A checkpoint is written with :func:`dflash_staged.fsutil.atomic_dir` (temporary sibling, every file
+fsynced, renamed into place, parent fsynced): a directory named ``step_X`` is always complete. Only the newest
+checkpoint is a resume point; the last ``keep`` are kept. The trainer deletes (or keeps) a
+shard only after a checkpoint covering the step that consumed it is durable, so falling back
+to an older checkpoint could re-train or lose data: if the newest checkpoint cannot be read,
+resuming fails loudly instead.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_staged.errors import DflashError
-from dflash_staged.fsutil import fsync_path
+from dflash_staged.fsutil import atomic_dir
 
+FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
@@ -61,6 +69,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def cleanup_tmp(run_dir: Path) -> None:
+    """Remove checkpoints a killed trainer left half-written."""
     d = checkpoints_dir(run_dir)
     if d.is_dir():
         for p in d.iterdir():
@@ -68,60 +77,18 @@ def cleanup_tmp(run_dir: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[torch.nn.Parameter, str]) -> tuple[dict, int]:
-    """AdamW state as flat named tensors, and its step count."""
-    out, steps = {}, 0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if not st:
-                continue
-            n = names[p]
-            out[f"opt.{n}.exp_avg"] = st["exp_avg"]
-            out[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"]
-            steps = int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"])
-    return out, steps
-
-
-def restore_optimizer(opt: torch.optim.Optimizer, names: dict[torch.nn.Parameter, str], tensors: dict,
-                      steps: int) -> None:
-    for group in opt.param_groups:
-        for p in group["params"]:
-            n = names[p]
-            if f"opt.{n}.exp_avg" not in tensors:
-                continue
-            opt.state[p] = {"step": torch.tensor(float(steps)),
-                            "exp_avg": tensors[f"opt.{n}.exp_avg"].to(p.device, p.dtype),
-                            "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].to(p.device, p.dtype)}
-
-
-def save_checkpoint(run_dir: Path, step: int, *, write_drafter, tensors: dict[str, torch.Tensor],
-                    state: dict[str, Any], keep: int) -> Path:
-    """Write checkpoint `step` atomically. `write_drafter(dir)` writes config.json + model.safetensors."""
-    d = checkpoints_dir(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"step_{step:08d}"
-    tmp = d / f".step_{step:08d}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+def save_checkpoint(run_dir: Path, step: int, *, write_drafter: Callable[[Path], None],
+                    tensors: dict[str, torch.Tensor], state: dict[str, Any], keep: int) -> Path:
+    """Write checkpoint ``step`` atomically. ``write_drafter(dir)`` writes config.json + model.safetensors."""
+    with atomic_dir(checkpoints_dir(run_dir) / f"step_{step:08d}", replace=True) as tmp:
         write_drafter(tmp)
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                   str(tmp / "trainer_state.safetensors"))
-        (tmp / "trainer_state.json").write_text(json.dumps(state, sort_keys=True))
-        for f in tmp.iterdir():
-            fsync_path(f)
-        fsync_path(tmp)
-        if final.exists():  # a stale copy of the same step from a run that died before its metrics landed
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_path(d)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for s, p in list_checkpoints(run_dir)[:-keep]:
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "format_version": FORMAT_VERSION},
+                                                           sort_keys=True))
+    for _, p in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
-    return final
+    return checkpoints_dir(run_dir) / f"step_{step:08d}"
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -134,6 +101,10 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
             f"the newest checkpoint {path} cannot be read ({type(e).__name__}: {e}). Shards it covered may "
             "already be deleted, so resuming from an older one could lose or repeat data: restore this "
             "directory, or start a new --out run") from None
+    version = state.get("format_version", 1)  # the first format had no version key
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has trainer-state format_version {version}; this dflash-staged "
+                              f"reads {FORMAT_VERSION}: resume it with the version that wrote it, or start a new --out")
     return tensors, state
 
 

@@ -1,29 +1,22 @@
-"""``dflash train``: tail the manifest, draw length-mixed steps, checkpoint, release shards.
+"""``dflash train``: the training loop, top to bottom.
 
-The loop (:func:`train_loop`) reads top to bottom: gather a step's shards,
-forward/backward each microbatch, all-reduce, optimizer step, mark the shards
-consumed, log, and periodically checkpoint + release. Setup, resume and the
-shard source live in :mod:`dflash_staged.trainer_setup`.
-
-Consumption contract (see also :mod:`dflash_staged.manifest`):
-
-* a shard is ``consumed`` when the optimizer step that used it completes;
-* it is deleted and ``released`` (or ``kept`` with ``--keep-shards``) only after
-  a durable checkpoint covers that step;
-* the trainer never waits for shards while it holds consumed, unreleased ones:
-  it checkpoints and releases first, which frees the extractor's window;
-* on resume, the checkpoint's per-step job list decides what happened: listed
-  jobs are consumed, every other consumed job returns to ``written``.
+Each step: gather this step's shards (waiting while fewer than ``train.min_ready`` are ready,
+never while holding consumed, unreleased shards), forward/backward every microbatch, sum the
+gradients over ranks, take the optimizer step, record the shards as consumed, log, and every
+``train.checkpoint_every`` steps checkpoint and release. The consumption, release and resume
+rules are :mod:`dflash_staged.train.ledger`'s; the components come from
+:func:`dflash_staged.train.trainer.build_trainer`.
 """
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from dataclasses import dataclass, field
 
 from dflash_staged.store import ShardError
+from dflash_staged.train.objective import acceptance_metrics, per_offset_accuracy
+from dflash_staged.train.trainer import Trainer
 
 WAIT_POLL_S = 0.25
 
@@ -53,15 +46,6 @@ def microbatches(shard, max_tokens: int) -> list[dict]:
     return out
 
 
-def lr_at(step: int, total: int, base: float, warmup_ratio: float) -> float:
-    """Linear warmup then cosine decay to zero; `step` counts completed steps (0-based)."""
-    warm = max(1, int(round(warmup_ratio * total)))
-    if step < warm:
-        return base * (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
-    return base * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 class StopRequested:
     """SIGINT/SIGTERM set a flag; the loop checkpoints at the next step boundary and exits."""
 
@@ -77,39 +61,39 @@ class StopRequested:
         return bool(self.signum)
 
 
-def gather_step(run, stop) -> StepData | None:
+def gather_step(t: Trainer, stop) -> StepData | None:
     """Draw this step's shards (distinct shards, preferring distinct buckets); wait while fewer
     than min_ready are ready and extraction is not finished. None once everything is drained."""
     data = StepData()
     t0 = time.perf_counter()
     waited = False
     while True:
-        run.source.fill(run.buffer)
-        if len(run.buffer) >= run.cfg.train.min_ready or run.source.finished():
+        t.source.fill(t.buffer)
+        if len(t.buffer) >= t.cfg.train.min_ready or t.source.finished():
             break
         if stop:
             return None
-        if run.holds_unreleased() and not run.dist.enabled:
-            run.checkpoint_and_release()  # frees the window before waiting (DDP: see train_loop)
-        run.source.check_progress_possible()
-        run.progress.waiting(len(run.buffer), run.cfg.train.min_ready)
+        if t.ledger.holds_unreleased(t.step) and not t.dist.enabled:
+            t.checkpoint_and_release()  # frees the window before waiting (DDP: see train_loop)
+        t.source.check_progress_possible()
+        t.progress.waiting(len(t.buffer), t.cfg.train.min_ready)
         waited = True
         time.sleep(WAIT_POLL_S)
     if waited:
         data.wait_s += time.perf_counter() - t0
     buckets: set[int] = set()
-    data.bucket_choices = len({e.bucket for e in run.buffer.entries})
-    for forced in run.source.forced_step(run.step):
-        shard, w = run.buffer.load(forced)
+    data.bucket_choices = len({e.bucket for e in t.buffer.entries})
+    for forced in t.source.forced_step(t.step):
+        shard, w = t.buffer.load(forced)
         data.wait_s += w
         data.shards.append((forced.job, shard))
-    while len(data.shards) < run.cfg.train.grad_accum and len(run.buffer):
-        entry = run.buffer.draw(buckets, run.draw_gen, prefer_read=run.source.live)
+    while len(data.shards) < t.cfg.train.grad_accum and len(t.buffer):
+        entry = t.buffer.draw(buckets, t.draw_gen, prefer_read=t.source.live)
         try:
-            shard, w = run.buffer.load(entry)
+            shard, w = t.buffer.load(entry)
         except ShardError as e:
-            run.source.bad_shard(entry.job, e)
-            run.source.fill(run.buffer)
+            t.source.bad_shard(entry.job, e)
+            t.source.fill(t.buffer)
             continue
         data.wait_s += w
         buckets.add(entry.job.bucket)
@@ -117,59 +101,72 @@ def gather_step(run, stop) -> StepData | None:
     return data
 
 
-def train_loop(run) -> int:
-    """The training loop. `run` is a :class:`dflash_staged.trainer_setup.Run` (model, data, state)."""
-    cfg, dist = run.cfg, run.dist
+def metrics_line(t: Trainer, jobs: list, stats: dict, lr: float, data: StepData | None, step_s: float) -> dict:
+    """This step's metrics line (loss and accuracies synchronise the host: every step on CPU,
+    every ``train.log_every`` steps on CUDA)."""
+    loss = acc = tau = None
+    if t.device.type != "cuda" or t.step % t.cfg.train.log_every == 0:
+        vals = [stats["correct"], stats["total"], stats["loss_sum"].reshape(1), stats["weight_sum"].reshape(1)]
+        t.dist.all_reduce_(vals)
+        loss = float(stats["loss_sum"] / stats["weight_sum"].clamp_min(1e-12))
+        acc, tau = acceptance_metrics(per_offset_accuracy(stats["correct"], stats["total"]))
+    choices = t.dist.sum_int(data.bucket_choices if data else 0)
+    return {"step": t.step, "loss": loss, "lr": lr, "acc": acc, "tau": tau, "tokens": sum(j[2] for j in jobs),
+            "jobs": [j[0] for j in jobs], "ranks": [j[1] for j in jobs], "buckets": [j[3] for j in jobs],
+            "lengths": [round(j[4], 1) for j in jobs], "data_wait_s": round(data.wait_s if data else 0.0, 4),
+            "step_s": round(step_s, 4), "buffer": len(t.buffer), "bucket_choices": choices}
+
+
+def train_loop(t: Trainer) -> int:
+    """The training loop; returns the exit code."""
+    cfg, dist = t.cfg, t.dist
     stop = StopRequested()
-    stopping = False
-    while not (run.opts.max_steps and run.step >= run.opts.max_steps):
+    while not (t.opts.max_steps and t.step >= t.opts.max_steps):
         # ---- data: this step's shards (may wait; never while holding unreleased shards) --------------
-        if run.dist.enabled and run.holds_unreleased() and run.dist.any(run.would_wait()):
-            run.checkpoint_and_release()  # collective, so every rank releases before any waits
-        data = gather_step(run, stop)
-        local_jobs = [] if data is None else data.shards
-        if not dist.any(len(local_jobs) > 0):
-            if stop or not dist.any(not run.source.finished()):
+        if dist.enabled and t.ledger.holds_unreleased(t.step) and dist.any(t.would_wait()):
+            t.checkpoint_and_release()  # collective, so every rank releases before any waits
+        data = gather_step(t, stop)
+        local = [] if data is None else data.shards
+        if not dist.any(len(local) > 0):
+            if stop or not dist.any(not t.source.finished()):
                 break  # drained (or stopping)
             continue  # every shard drawn failed verification and went back to extract: wait for more
         t_step = time.perf_counter()
 
         # ---- forward / backward over every microbatch of every shard ------------------------------
-        mbs = [mb for _, shard in local_jobs for mb in microbatches(shard, cfg.train.microbatch_tokens)]
+        mbs = [mb for _, shard in local for mb in microbatches(shard, cfg.train.microbatch_tokens)]
         n_total = dist.sum_int(len(mbs))
-        noise = run.noise_std()
-        stats = run.zero_stats()
+        noise = t.model.noise_std(t.step, t.total_steps)
+        stats = t.model.zero_stats()
         for mb in mbs:
-            mb = {k: v.to(run.device, non_blocking=True) for k, v in mb.items()}
-            with run.autocast():
-                loss, st = run.loss_fn(mb, noise)
+            loss, st = t.model.loss({k: v.to(t.device, non_blocking=True) for k, v in mb.items()}, noise)
             (loss / n_total).backward()
-            run.add_stats(stats, st)
+            t.model.add_stats(stats, st)
 
-        # ---- optimizer step (gradients summed over ranks) -----------------------------------------
-        lr = lr_at(run.step, run.total_steps, cfg.train.lr, cfg.train.warmup_ratio)
-        run.optimizer_step(lr)
-        run.step += 1
+        # ---- optimizer step (gradients summed over ranks), then the shards are consumed -------------
+        lr = t.optim.lr(t.step, t.total_steps)
+        t.optim.step(lr)
+        t.step += 1
         jobs = dist.gather_jobs([(job.id, dist.rank, int(shard.input_ids.numel()), job.bucket,
                                   float(shard.input_ids.numel()) / max(1, shard.cu_seqlens.numel() - 1))
-                                 for job, shard in local_jobs])
-        run.mark_consumed(jobs)
+                                 for job, shard in local])
+        t.ledger.record(t.step, jobs)
         step_s = time.perf_counter() - t_step
 
         # ---- log --------------------------------------------------------------------------------
-        run.log_step(jobs, stats, lr, data.wait_s if data else 0.0, step_s,
-                     dist.sum_int(data.bucket_choices if data else 0))
+        line = metrics_line(t, jobs, stats, lr, data, step_s)
+        t.metrics.write(line)
+        t.progress.step(t.step, line["loss"], line["tokens"] / max(step_s, 1e-9), len(t.buffer), t.buffer.capacity)
 
         # ---- checkpoint + release shards the checkpoint covers ------------------------------------
         stopping = dist.any(bool(stop))  # every rank agrees, since checkpointing is collective
-        if run.step % cfg.train.checkpoint_every == 0 or stopping:
-            run.checkpoint_and_release()
+        if t.step % cfg.train.checkpoint_every == 0 or stopping:
+            t.checkpoint_and_release()
         if stopping:
             break
     # ---- the end: final checkpoint, release, report -------------------------------------------------
     stopping = dist.any(bool(stop))
-    run.checkpoint_and_release()
-    run.progress.close()
+    t.checkpoint_and_release()
     if stopping:
         return 128 + (stop.signum or signal.SIGTERM)
-    return run.source.final_status()
+    return t.source.final_status()

@@ -43,12 +43,7 @@ class LiveSource:
 
     def admit_ids(self, buffer, ids: list[int]) -> None:
         """Re-admit a checkpoint's buffer contents (in order) after resume."""
-        with self.m.tx() as c:
-            for i in ids:
-                c.execute("UPDATE jobs SET taken_by=?, rank=? WHERE id=? AND state='written'",
-                          (self.trainer_id, self.rank, i))
-        jobs = [self.m.job(i) for i in ids]
-        buffer.admit([j for j in jobs if j.state == "written" and j.taken_by == self.trainer_id])
+        buffer.admit(self.m.retake(self.trainer_id, self.rank, ids))
 
     def finished(self) -> bool:
         return self.m.extract_done() and self.m.ready_count() == 0
@@ -74,7 +69,7 @@ class LiveSource:
             ids = [j.id for j in self.m.jobs("pending")]
             shown = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")
             raise DrainError(f"{len(ids)} job(s) are still pending ({shown}) but no `dflash extract` is running for "
-                             f"{self.m.dir}; rerun `dflash extract --manifest {self.m.dir} --store "
+                             f"{self.m.address}; rerun `dflash extract --manifest {self.m.address} --store "
                              f"{self.store.root}` and then this command")
 
     def final_status(self) -> int:
@@ -82,7 +77,7 @@ class LiveSource:
         if failed:
             raise DrainError(f"{len(failed)} job(s) failed extraction and were not trained: "
                              + "; ".join(f"job {j.id}" for j in failed[:20])
-                             + f". See `dflash status --manifest {self.m.dir}`, fix the cause, rerun "
+                             + f". See `dflash status --manifest {self.m.address}`, fix the cause, rerun "
                              "`dflash extract` (it retries failed jobs), then rerun this command")
         return 0
 
@@ -96,7 +91,7 @@ class ReplaySource:
         self.m, self.store = manifest, store
         kept = [j for j in manifest.jobs("kept")]
         if not kept:
-            raise DflashError(f"{manifest.dir} has no kept shards to replay; run the live trainer with "
+            raise DflashError(f"{manifest.address} has no kept shards to replay; run the live trainer with "
                               "--keep-shards first")
         kept.sort(key=lambda j: (j.epoch, j.pos))
         self.by_id = {j.id: j for j in kept}
@@ -104,7 +99,7 @@ class ReplaySource:
         if order:
             missing = sorted({i for ids in order.values() for i in ids} - set(self.by_id))
             if missing:
-                raise DflashError(f"--order-from lists jobs that are not kept in {manifest.dir}: {missing[:10]}; "
+                raise DflashError(f"--order-from lists jobs that are not kept in {manifest.address}: {missing[:10]}; "
                                   "replay needs the shards kept (--keep-shards) by the recorded run")
             self.sequence: list[Job] = []
         else:

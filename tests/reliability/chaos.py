@@ -27,7 +27,8 @@ from pathlib import Path
 import psutil
 
 from dflash_staged.manifest import Manifest
-from rel_helpers import hooked_env, scan_store, start
+from helpers import start
+from rel_helpers import hooked_env, scan_store
 
 KINDS = ("trainer", "supervisor", "worker")
 

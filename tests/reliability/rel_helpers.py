@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
-from click.testing import CliRunner
-
 from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
-from dflash_staged.cli import main
 from dflash_staged.fsutil import dir_bytes
 from dflash_staged.manifest import Manifest
-from pipeline_helpers import ROOT, env
+from helpers import env, status
 
 HOOKS_DIR = Path(__file__).resolve().parent / "hooks"
 if str(HOOKS_DIR) not in sys.path:
@@ -34,35 +30,6 @@ def hooked_env(**hooks) -> dict:
         e["PYTHONPATH"] = os.pathsep.join([str(HOOKS_DIR), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         e["DFLASH_TEST_HOOKS"] = json.dumps(hooks)
     return e
-
-
-def start(args: list, log: Path, environ: dict | None = None) -> subprocess.Popen:
-    """`python -m dflash_staged ARGS` with stdout+stderr appended to `log` (a file: never a full pipe)."""
-    f = open(log, "a")
-    f.write(f"$ dflash {' '.join(map(str, args))}\n")
-    f.flush()
-    p = subprocess.Popen([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT,
-                         env=environ or env(), stdout=f, stderr=subprocess.STDOUT, text=True)
-    f.close()
-    return p
-
-
-def run(args: list, environ: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT,
-                          env=environ or env(), capture_output=True, text=True, timeout=timeout)
-
-
-def cli(*args) -> tuple[int, str]:
-    """Run the CLI in this process (cheap: no interpreter start)."""
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
-    return res.exit_code, res.output
-
-
-def status_json(mdir: Path) -> dict:
-    code, out = cli("status", "--manifest", mdir, "--json")
-    assert code == 0, out
-    return json.loads(out)
 
 
 # ---------------------------------------------------------------------------------------------- the store
@@ -110,7 +77,7 @@ def assert_exactly_once(mdir: Path, run_dir: Path) -> dict:
 
 def assert_all_released_and_clean(mdir: Path, store: Path, run_dir: Path | None = None) -> dict:
     """`dflash status --json` says everything is released; no shard and no leftover remains."""
-    st = status_json(mdir)
+    st = status(mdir)
     assert st["extract_done"] is True
     assert st["jobs"]["released"] == st["total_jobs"], st["jobs"]
     assert st["window"] == {"shards": 0, "bytes": 0}, st["window"]
@@ -121,5 +88,6 @@ def assert_all_released_and_clean(mdir: Path, store: Path, run_dir: Path | None 
     if run_dir is not None:
         left = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("step_")]
         assert left == [], f"checkpoint leftovers: {left}"
-        assert not list(run_dir.glob("*.tmp-*")), list(run_dir.glob("*.tmp-*"))
+        temps = list(run_dir.glob("*.tmp-*")) + list(run_dir.glob(".*.tmp-*"))
+        assert not temps, temps
     return st

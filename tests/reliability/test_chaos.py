@@ -19,25 +19,15 @@ import pytest
 
 from chaos import Chaos
 from dflash_staged.manifest import Manifest
-from dflash_staged.train.trainer import target_dims
-from pipeline_helpers import write_config, write_dataset
-from rel_helpers import (assert_all_released_and_clean, assert_exactly_once, cli, hooked_env, run, scan_store,
-                         start)
+from dflash_staged.model.dims import target_dims
+from helpers import plan, run, start, write_config, write_dataset
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 WINDOW = 16
 # crash-point self-kills (per occurrence), on top of the driver's kills
 CRASH_TRAIN = {"consume": 0.02, "checkpoint": 0.05, "checkpoint_fsync": 0.01, "delete": 0.01}
 CRASH_EXTRACT = {"commit": 0.02, "write": 0.002}
-
-
-def plan_in_process(tmp_path, n: int, epochs: int, seed: int = 0):
-    data = write_dataset(tmp_path / "data.jsonl", n=n, seed=seed)
-    cfg = write_config(tmp_path / "cfg.toml", EXTRA)
-    mdir = tmp_path / "manifest"
-    code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", mdir, "--epochs", epochs)
-    assert code == 0, out
-    return mdir
 
 
 def max_shard_bytes(mdir) -> int:
@@ -49,7 +39,7 @@ def max_shard_bytes(mdir) -> int:
 
 def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float):
     seed = int(os.environ.get("DFLASH_CHAOS_SEED") or random.SystemRandom().randrange(2**31))
-    mdir = plan_in_process(tmp_path, n, epochs)
+    mdir = plan(tmp_path, n, epochs, extra=EXTRA)
     store, run_dir = tmp_path / "store", tmp_path / "run"
     chaos = Chaos(tmp_path, mdir, store, run_dir, seed=seed, kills=kills, window=WINDOW, timeout_s=timeout_s,
                   crash_train=CRASH_TRAIN, crash_extract=CRASH_EXTRACT, shard_bytes_max=max_shard_bytes(mdir))
@@ -88,7 +78,7 @@ def test_chaos_kill9_slow(tmp_path):
 def test_killed_writer_leftovers_removed(tmp_path):
     """Regression: a worker killed mid-write left its temporary shard until the next extract start;
     now its supervisor removes it, and a rerun completes with exactly one shard per job."""
-    mdir = plan_in_process(tmp_path, n=12, epochs=1)
+    mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA)
     store = tmp_path / "store"
     env = hooked_env(crash_after={"write": 14})  # inside each worker's first or second shard
     r = run(["extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--window", 64], env)
@@ -108,7 +98,7 @@ def test_workers_exit_when_supervisor_dies_during_their_startup(tmp_path):
     as an orphan, claiming and writing jobs beside any replacement. Now it exits without working."""
     import psutil
 
-    mdir = plan_in_process(tmp_path, n=12, epochs=1)
+    mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA)
     p = start(["extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu,cpu", "--window", 64],
               tmp_path / "extract.log")
     kids: list = []

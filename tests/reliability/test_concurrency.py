@@ -20,20 +20,16 @@ import torch
 
 from dflash_staged.manifest import Manifest, TrainerBusyError
 from dflash_staged.store import ShardStore
-from pipeline_helpers import ROOT, write_config, write_dataset
-from rel_helpers import cli, hooked_env, run, start
+from helpers import ROOT, plan
+from helpers import run, start
+from rel_helpers import hooked_env
 from dflash_fault_hooks import expected_hidden  # noqa: E402 - on sys.path via rel_helpers
 
 WINDOW = 12
 HIDDEN = 8
 
 
-def plan(tmp_path, n: int, epochs: int):
-    data = write_dataset(tmp_path / "data.jsonl", n=n)
-    cfg = write_config(tmp_path / "cfg.toml", "[data]\ntoken_budget = 512\n")
-    code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", tmp_path / "m", "--epochs", epochs)
-    assert code == 0, out
-    return tmp_path / "m"
+EXTRA = "[data]\ntoken_budget = 512\n"
 
 
 def check_shard(store: ShardStore, m: Manifest, job) -> None:
@@ -45,7 +41,7 @@ def check_shard(store: ShardStore, m: Manifest, job) -> None:
 
 
 def test_eight_extract_processes_write_every_job_exactly_once(tmp_path):
-    mdir, store_dir = plan(tmp_path, n=160, epochs=2), tmp_path / "store"
+    mdir, store_dir = plan(tmp_path, n=160, epochs=2, extra=EXTRA), tmp_path / "store"
     log = tmp_path / "commits.log"
     environ = hooked_env(fake_target={"hidden": HIDDEN, "delay_s": 0.05}, commit_log=str(log))
     procs = [start(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", WINDOW],
@@ -65,8 +61,8 @@ def test_eight_extract_processes_write_every_job_exactly_once(tmp_path):
                 store = ShardStore.open(store_dir)
             for j in written:  # a consumer: verify, then retire out of the window
                 check_shard(store, m, j)
-                with m.tx() as c:
-                    c.execute("UPDATE jobs SET state='kept' WHERE id=? AND state='written'", (j.id,))
+                m.consume([j.id], step=0)
+                m.release([j.id], keep=True)
                 retired += 1
             time.sleep(0.02)
     finally:
@@ -92,7 +88,7 @@ def test_eight_extract_processes_write_every_job_exactly_once(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- trainers
 def test_second_trainer_refused_naming_the_first(tmp_path):
-    mdir = plan(tmp_path, n=12, epochs=1)
+    mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA)
     store = tmp_path / "no-store-yet"  # the first trainer registers, then waits for the store
     a = start(["train", "--manifest", mdir, "--store", store, "--out", tmp_path / "a"], tmp_path / "a.log")
     m = Manifest.open(mdir, readonly=True)
@@ -114,7 +110,7 @@ def test_second_trainer_refused_naming_the_first(tmp_path):
         b = start(["train", "--manifest", mdir, "--store", store, "--out", tmp_path / "b"], tmp_path / "b.log")
         try:
             t0 = time.time()
-            while not [p for p in m.live_procs("train") if p["pid"] == b.pid]:
+            while not [p for p in m.live_procs("train") if p.pid == b.pid]:
                 assert b.poll() is None, (tmp_path / "b.log").read_text()
                 assert time.time() - t0 < 120, "the second trainer never registered"
                 time.sleep(0.1)
@@ -139,7 +135,7 @@ time.sleep(600)
 
 
 def test_ranks_of_one_ddp_job_share_the_manifest(tmp_path):
-    mdir = plan(tmp_path, n=12, epochs=1)
+    mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(mdir), "job-1"], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -148,7 +144,7 @@ def test_ranks_of_one_ddp_job_share_the_manifest(tmp_path):
             m.register("train", group_id="job-1", rank=1, exclusive=True)  # same DDP job: accepted
             with pytest.raises(TrainerBusyError, match=rf"host {socket.gethostname()}, pid {holder.pid}"):
                 m.register("train", group_id="job-2", rank=0, exclusive=True)
-            assert sorted(p["rank"] for p in m.live_procs("train")) == [0, 1]
+            assert sorted(p.rank for p in m.live_procs("train")) == [0, 1]
     finally:
         holder.kill()
         holder.wait()

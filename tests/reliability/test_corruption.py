@@ -22,8 +22,9 @@ import pytest
 
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, cli, run, start, status_json
-from pipeline_helpers import write_config, write_dataset
+from helpers import run, start, status
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once
+from helpers import plan
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 # kind -> the ShardError subclass the read must raise
@@ -73,15 +74,6 @@ def corrupt(store: ShardStore, job, kind: str, rng: random.Random, others: dict)
         (d / "zarr.json").write_text(json.dumps(meta))
 
 
-def plan(tmp_path, n: int, epochs: int):
-    data = write_dataset(tmp_path / "data.jsonl", n=n)
-    cfg = write_config(tmp_path / "cfg.toml", EXTRA)
-    mdir = tmp_path / "manifest"
-    code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", mdir, "--epochs", epochs)
-    assert code == 0, out
-    return mdir
-
-
 def wait_for(cond, timeout: float, what: str, procs=()):
     t0 = time.time()
     while not cond():
@@ -94,7 +86,7 @@ def wait_for(cond, timeout: float, what: str, procs=()):
 def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_rounds: int, seed: int):
     rng = random.Random(seed)
     print(f"corruption seed {seed}", flush=True)
-    mdir = plan(tmp_path, n, epochs)
+    mdir = plan(tmp_path, n, epochs, extra=EXTRA)
     store_dir, run_dir = tmp_path / "store", tmp_path / "run"
     r = run(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu,cpu", "--window", 1000])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -123,7 +115,7 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_ro
         damaged[job.id] = [kind]
 
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl.tmp-999999").write_text("{}\n")  # a metrics rewrite killed midway
+    (run_dir / ".metrics.jsonl.tmp-999999-0badf00d").write_text("{}\n")  # a metrics rewrite killed midway
     tr = start(["train", "--manifest", mdir, "--store", store_dir, "--out", run_dir], tmp_path / "train.log")
     procs = [tr]
     try:
@@ -170,7 +162,7 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_ro
             assert detail.startswith(KINDS[kind]), (kind, detail)
         assert m.job(job_id).attempts == 1 + len(kinds_done), f"job {job_id} ({kinds_done}) was not re-extracted"
     assert {e["job"] for e in events} == set(damaged), "an undamaged shard failed verification"
-    st = status_json(mdir)
+    st = status(mdir)
     assert sum(st["requeued"].values()) == len(events)
     assert_exactly_once(mdir, run_dir)
     assert_all_released_and_clean(mdir, store_dir, run_dir)

@@ -17,16 +17,12 @@ import torch
 import dflash_staged.store.shardfiles as shardfiles
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore, StoreFullError, StoreMeta
-from pipeline_helpers import write_config, write_dataset
-from rel_helpers import cli, hooked_env, run, scan_store, status_json
+from helpers import plan
+from helpers import run, status
+from rel_helpers import hooked_env, scan_store
 
 
-def plan(tmp_path, n=24, epochs=2):
-    data = write_dataset(tmp_path / "data.jsonl", n=n)
-    cfg = write_config(tmp_path / "cfg.toml", "[data]\ntoken_budget = 512\n")
-    code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", tmp_path / "m", "--epochs", epochs)
-    assert code == 0, out
-    return tmp_path / "m"
+EXTRA = "[data]\ntoken_budget = 512\n"
 
 
 def extract(mdir, store, environ=None, devices="cpu,cpu"):
@@ -40,7 +36,7 @@ def assert_consistent_after_full(mdir, store, r):
                       r"needed\)|creating it)", r.stderr)
     assert msgs, r.stderr
     assert all(path == str(store) for path, _ in msgs), msgs
-    st = status_json(mdir)
+    st = status(mdir)
     assert st["jobs"]["claimed"] == 0 and st["jobs"]["failed"] == 0, st["jobs"]
     assert st["jobs"]["pending"] > 0 and not st["extract_done"]
     scan = scan_store(store)
@@ -71,7 +67,7 @@ def complete_after_freeing(mdir, store, flag, environ):
 
 
 def test_disk_full_then_freed(tmp_path):
-    mdir, store, flag = plan(tmp_path), tmp_path / "store", tmp_path / "disk-full"
+    mdir, store, flag = plan(tmp_path, epochs=2, extra=EXTRA), tmp_path / "store", tmp_path / "disk-full"
     environ = hooked_env(enospc_flag=str(flag))
     # 1. the disk is full from the start: not even the store can be created
     flag.write_text("0")
@@ -83,7 +79,7 @@ def test_disk_full_then_freed(tmp_path):
     msgs, abandons = assert_consistent_after_full(mdir, store, extract(mdir, store, environ))
     assert any(need for _, need in msgs) and all(int(need) > 0 for _, need in msgs if need), msgs
     assert abandons, "the job being written was not given back"
-    assert status_json(mdir)["jobs"]["written"] >= 1
+    assert status(mdir)["jobs"]["written"] >= 1
     # 3. space freed: a rerun completes
     complete_after_freeing(mdir, store, flag, environ)
 

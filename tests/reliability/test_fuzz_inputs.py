@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import dflash_staged.plan.dataset as dataset_mod
 from dflash_staged.cli import main
 from dflash_staged.config import _SECTION_CLASSES
-from pipeline_helpers import TINY
+from helpers import TINY
 
 FAST = settings(max_examples=200, deadline=None, derandomize=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,

@@ -12,8 +12,8 @@ import pytest
 from dflash_staged.train.checkpoint import latest_checkpoint
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore, StoreMeta
-from pipeline_helpers import write_config, write_dataset
-from rel_helpers import cli, run, status_json
+from helpers import write_config, write_dataset
+from helpers import cli, run, status
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 
@@ -52,13 +52,13 @@ def ids(d, name):
 
 def test_store_of_another_manifest_is_refused(world):
     d = world
-    before = status_json(d / "m2")["jobs"]
+    before = status(d / "m2")["jobs"]
     want = f"manifest_id='{ids(d, 'm1')}', but this run has manifest_id='{ids(d, 'm2')}'"
     refused(run(["extract", "--manifest", d / "m2", "--store", d / "s1", "--devices", "cpu", "--window", 64]),
             str(d / "s1"), want)
     refused(run(["train", "--manifest", d / "m2", "--store", d / "s1", "--out", d / "r2"]), str(d / "s1"), want)
-    assert status_json(d / "m2")["jobs"] == before
-    assert status_json(d / "m1")["jobs"]["kept"] == status_json(d / "m1")["total_jobs"]  # S1's owner untouched
+    assert status(d / "m2")["jobs"] == before
+    assert status(d / "m1")["jobs"]["kept"] == status(d / "m1")["total_jobs"]  # S1's owner untouched
 
 
 def test_store_of_another_target_is_refused(world, tmp_path):
@@ -71,7 +71,7 @@ def test_store_of_another_target_is_refused(world, tmp_path):
     out = refused(run(["extract", "--manifest", d / "m2", "--store", store, "--devices", "cpu", "--window", 64]),
                   "target_id='another-model@abc'")
     assert "but this run has target_id=" in out
-    assert status_json(d / "m2")["jobs"]["claimed"] == 0
+    assert status(d / "m2")["jobs"]["claimed"] == 0
 
 
 @pytest.mark.parametrize("change, words", [
@@ -89,7 +89,7 @@ def test_changed_config_against_existing_manifest_is_refused(world, tmp_path, ch
     assert out.startswith("error: ") and str(d / "m1") in out and "planned from different inputs" in out, out
     for w in words:
         assert w in out, out
-    assert status_json(d / "m1")["jobs"]["kept"] == status_json(d / "m1")["total_jobs"]  # untouched
+    assert status(d / "m1")["jobs"]["kept"] == status(d / "m1")["total_jobs"]  # untouched
 
 
 def test_changed_shard_settings_at_train_time_are_refused(world, tmp_path):
@@ -115,7 +115,7 @@ def test_checkpoint_of_another_manifest_is_refused(world, tmp_path):
     r = run(["train", "--manifest", d / "m2", "--store", store, "--out", d / "r1"])
     refused(r, str(ck), f"belongs to manifest {ids(d, 'm1')}", str(d / "m2"))
     assert latest_checkpoint(d / "r1") == ck
-    assert status_json(d / "m2")["jobs"]["consumed"] == 0
+    assert status(d / "m2")["jobs"]["consumed"] == 0
 
 
 def test_checkpoint_of_another_drafter_config_is_refused(world):

@@ -17,7 +17,7 @@ Keys (all optional):
   itself with that probability (after appending ``"<point> <pid>"`` to ``crash_log``). Points:
   ``write`` (each block written to a shard file), ``commit`` (shard renamed into place, the
   manifest transaction not yet committed), ``delete`` (shard deleted, not yet marked released),
-  ``checkpoint_fsync`` (mid-checkpoint), ``checkpoint`` (checkpoint durable, shards not yet
+  ``checkpoint_fsync`` (a checkpoint written, not yet fsynced and renamed), ``checkpoint`` (checkpoint durable, shards not yet
   released), ``consume`` (step marked consumed, not yet logged or checkpointed), ``manifest_npy``
   (`dflash plan` has written one of the manifest's sample arrays under its temporary name).
 * ``crash_after``: ``{point: n}``: SIGKILL this process at the n-th time it reaches ``point``.
@@ -105,30 +105,30 @@ def _patch_checkpoint(mod) -> None:
         return out
 
     mod.save_checkpoint = save_checkpoint
-    for name in ("fsync_path", "_fsync_file"):  # whichever fsyncs the checkpoint's files
-        real_fsync = getattr(mod, name, None)
-        if real_fsync is not None:
-            def fsync(path, _real=real_fsync):
-                _real(path)
-                _crash("checkpoint_fsync")
-            setattr(mod, name, fsync)
+
+
+def _patch_fsutil(mod) -> None:
+    real = mod._fsync_tree  # fsyncs an atomic directory (a checkpoint) before its rename
+
+    def fsync_tree(root):
+        _crash("checkpoint_fsync")
+        real(root)
+
+    mod._fsync_tree = fsync_tree
 
 
 def _patch_manifest(mod) -> None:
-    real = mod.Manifest.consume
+    real = mod.SqliteManifest.consume
 
     def consume(self, *a, **kw):
         real(self, *a, **kw)
         _crash("consume")
 
-    mod.Manifest.consume = consume
-    _patch_manifest_build(mod)
+    mod.SqliteManifest.consume = consume
 
 
 def _patch_manifest_build(mod) -> None:
-    real_npy = getattr(mod, "_save_npy", None)  # manifest creation (manifest_build, or manifest itself)
-    if real_npy is None:
-        return
+    real_npy = mod._save_npy
 
     def save_npy(*a, **kw):
         real_npy(*a, **kw)
@@ -180,10 +180,12 @@ def _crashes() -> bool:
     return bool(CFG.get("crash") or CFG.get("crash_after"))
 
 
+# Each patch names the attributes it replaces directly, so a rename fails loudly (AttributeError at import).
 _PATCHES = {"dflash_staged.store.shardfiles": (_patch_shardfiles, lambda: "enospc_flag" in CFG or _crashes()),
-            "dflash_staged.store": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
+            "dflash_staged.store.layout": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
             "dflash_staged.train.checkpoint": (_patch_checkpoint, _crashes),
-            "dflash_staged.manifest": (_patch_manifest, _crashes),
+            "dflash_staged.fsutil": (_patch_fsutil, _crashes),
+            "dflash_staged.manifest.sqlite": (_patch_manifest, _crashes),
             "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
             "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG)}
 

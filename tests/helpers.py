@@ -1,4 +1,4 @@
-"""Shared helpers for the pipeline tests: datasets, planning, and running the CLI as subprocesses."""
+"""Shared test helpers: datasets and configs, planning, and running the CLI (in this process or as a subprocess)."""
 
 from __future__ import annotations
 
@@ -42,13 +42,23 @@ def write_config(path: Path, extra: str = "", base: Path = TINY) -> Path:
     return path
 
 
-def plan(tmp_path: Path, n: int = 24, epochs: int = 1, extra: str = "", seed: int = 0, hi: int = 200) -> Path:
+def cli(*args) -> tuple[int, str]:
+    """Run the CLI in this process (cheap: no interpreter start); (exit code, output)."""
+    from click.testing import CliRunner
+    from dflash_staged.cli import main
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    return res.exit_code, res.output
+
+
+def plan(tmp_path: Path, n: int = 24, epochs: int = 1, extra: str = "", seed: int = 0, hi: int = 200,
+         name: str = "manifest") -> Path:
+    """Plan ``n`` token-id samples with the tiny config (+ ``extra`` TOML) into ``tmp_path/name``."""
     data = write_dataset(tmp_path / "data.jsonl", n=n, seed=seed, hi=hi)
     cfg = write_config(tmp_path / "cfg.toml", extra)
-    out = tmp_path / "manifest"
-    subprocess.run([sys.executable, "-m", "dflash_staged", "plan", "--config", str(cfg), "--data", str(data),
-                    "--manifest", str(out), "--epochs", str(epochs), "--seed", str(seed)],
-                   check=True, capture_output=True, text=True, cwd=ROOT)
+    out = tmp_path / name
+    code, text = cli("plan", "--config", cfg, "--data", data, "--manifest", out, "--epochs", epochs, "--seed", seed)
+    assert code == 0, text
     return out
 
 
@@ -64,15 +74,32 @@ def dflash(*args, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def run_dflash(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT, env=env(),
+def run(args: list, environ: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m dflash_staged ARGS` to completion, output captured."""
+    return subprocess.run([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT, env=environ or env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_dflash(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run(list(args), timeout=timeout)
+
+
+def start(args: list, log: Path, environ: dict | None = None) -> subprocess.Popen:
+    """`python -m dflash_staged ARGS` with stdout+stderr appended to `log` (a file: never a full pipe)."""
+    f = open(log, "a")
+    f.write(f"$ dflash {' '.join(map(str, args))}\n")
+    f.flush()
+    p = subprocess.Popen([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT,
+                         env=environ or env(), stdout=f, stderr=subprocess.STDOUT, text=True)
+    f.close()
+    return p
+
+
 def status(manifest: Path) -> dict:
-    r = run_dflash("status", "--manifest", manifest, "--json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    """`dflash status --json` (in this process)."""
+    code, out = cli("status", "--manifest", manifest, "--json")
+    assert code == 0, out
+    return json.loads(out)
 
 
 def sample_while(procs: list[subprocess.Popen], fn, period: float = 0.1, timeout: float = 300) -> list:

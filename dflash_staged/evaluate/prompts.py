@@ -1,0 +1,79 @@
+"""The prompts ``dflash eval`` decodes: JSONL lines of chat messages or token ids.
+
+A ``{"messages": [...]}`` line is rendered with the target's chat template and the generation
+prompt, after dropping trailing assistant turns (a reference answer); an ``{"input_ids": [...]}``
+line is used as it is. Bad lines are errors naming ``file:line`` and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_staged.errors import DflashError
+
+
+def _prompt_error(path, line: int, field: str, msg: str) -> DflashError:
+    return DflashError(f"{path}:{line}: {field}: {msg}; each line must be {{\"messages\": [...]}} or "
+                       "{\"input_ids\": [...]}")
+
+
+def load_prompts(path: str | Path, tokenizer_fn, vocab_size: int, limit: int | None = None) -> list[tuple[int, list[int]]]:
+    """``[(line number, prompt ids)]``. ``messages`` lines are rendered with the chat template and
+    the generation prompt, after dropping trailing assistant turns (a reference answer);
+    ``tokenizer_fn()`` is called once, only if such a line exists."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise DflashError(f"{path}: cannot read the prompts file ({e.strerror}); check --prompts") from None
+    except UnicodeDecodeError:
+        raise DflashError(f"{path}: not UTF-8 text; the prompts file must be JSONL") from None
+    tok, out = None, []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _prompt_error(path, no, "line", f"invalid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not ({"messages", "input_ids"} & obj.keys()):
+            raise _prompt_error(path, no, "line", "no messages or input_ids field")
+        if "input_ids" in obj:
+            ids = obj["input_ids"]
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise _prompt_error(path, no, "input_ids", "expected a non-empty list of integers")
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise _prompt_error(path, no, "input_ids", f"token id {bad[0]} is outside the target "
+                                    f"vocabulary 0..{vocab_size - 1}")
+        else:
+            msgs = obj["messages"]
+            if not isinstance(msgs, list) or not msgs:
+                raise _prompt_error(path, no, "messages", "expected a non-empty list of {role, content} objects")
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                        or not isinstance(m.get("content"), str):
+                    raise _prompt_error(path, no, f"messages[{i}]", "expected {\"role\": str, \"content\": str}")
+            while msgs and msgs[-1]["role"] == "assistant":
+                msgs = msgs[:-1]
+            if not msgs:
+                raise _prompt_error(path, no, "messages", "only assistant turns; nothing to prompt with")
+            if tok is None:
+                tok = tokenizer_fn()
+                if not getattr(tok, "chat_template", None):
+                    raise DflashError(f"{path}:{no}: messages: the target's tokenizer has no chat template; "
+                                      "give input_ids lines instead")
+            try:
+                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - template errors are data errors
+                raise _prompt_error(path, no, "messages", f"the chat template rejected it "
+                                    f"({type(e).__name__}: {e})") from None
+            ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        out.append((no, ids))
+    if not out:
+        raise DflashError(f"{path}: no prompts (the file is empty)")
+    return out

@@ -1,0 +1,52 @@
+"""What one ``dflash extract`` run is asked to do: manifest, store, devices, window, lease."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_staged.config import ExtractConfig
+from dflash_staged.errors import DflashError
+
+EXIT_DISK_FULL = 3
+EXIT_ERROR = 2
+
+
+@dataclass
+class ExtractOptions:
+    manifest: Path
+    store: Path
+    devices: list[str]
+    window: int
+    window_bytes: int
+    lease_s: float
+    max_attempts: int
+    allow_slow_kernels: bool = False
+    dtype: str | None = None  # override target.dtype for the shards' source model
+    train_ranks: int = 1
+    stay_while_training: bool = True
+
+
+def parse_devices(devices: str) -> list[str]:
+    """``cpu,cpu`` or ``cuda:0,cuda:1`` -> the list; clear errors for unknown or absent devices."""
+    devs = [d.strip() for d in devices.split(",") if d.strip()]
+    if not devs:
+        raise DflashError("--devices is empty: give e.g. 'cpu', 'cpu,cpu' or 'cuda:0,cuda:1'")
+    for d in devs:
+        if not (d == "cpu" or d.startswith("cuda")):
+            raise DflashError(f"--devices: unknown device {d!r}; use cpu or cuda:N")
+        if d.startswith("cuda") and not torch.cuda.is_available():
+            raise DflashError(f"--devices {d}: CUDA is not available on this machine; use --devices cpu")
+    return devs
+
+
+def options_from(manifest: Path, store: Path, devices: str, cfg: ExtractConfig, *, window=None, window_bytes=None,
+                 allow_slow_kernels=False, dtype=None, train_ranks=1, lease_s=None) -> ExtractOptions:
+    """Command-line values over the manifest's ``[extract]`` snapshot."""
+    return ExtractOptions(manifest=manifest, store=store, devices=parse_devices(devices),
+                          window=window if window is not None else cfg.window,
+                          window_bytes=window_bytes if window_bytes is not None else cfg.window_bytes,
+                          lease_s=lease_s if lease_s is not None else cfg.lease_s, max_attempts=cfg.max_attempts,
+                          allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks)

@@ -1,0 +1,263 @@
+"""The manifest interface: every operation the stages need, over one backend or another.
+
+:class:`Manifest` is what ``plan``, ``extract``, ``train``, ``eval``, ``status`` and the
+launchers hold. ``Manifest.open(address)`` and ``Manifest.create(address, ...)`` pick the
+backend from the address (a directory: :class:`~dflash_staged.manifest.sqlite.SqliteManifest`).
+The job state machine these operations implement is specified in
+:mod:`dflash_staged.manifest.states`. A handle belongs to one process and one thread.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from dflash_staged.config import Config, config_from_dict
+from dflash_staged.manifest.states import (STATES, ClaimResult, Job, ManifestMismatchError, Proc, diff_dicts,
+                                           group_counts, plan_identity)
+
+
+def _backend(address: str | Path):
+    from dflash_staged.manifest.sqlite import SqliteManifest
+    return SqliteManifest
+
+
+class Manifest(abc.ABC):
+    """A handle on one manifest; see the module docstring."""
+
+    address: str  # how the user named it (a directory path); used in messages
+
+    # ------------------------------------------------------------------ creation / opening
+    @classmethod
+    def open(cls, address: str | Path, readonly: bool = False) -> "Manifest":
+        """Open an existing manifest; ManifestError (naming the fix) if there is none."""
+        return _backend(address)._open(address, readonly)
+
+    @classmethod
+    def create(cls, address: str | Path, *, config: Config, samples, plan, data_path: str, data_hash: str,
+               layer_ids: list[int] | None = None, extra_meta: dict | None = None) -> "Manifest":
+        """Create the manifest atomically; a no-op if it exists holding the same plan.
+
+        Raises ManifestMismatchError naming the differences if it exists with another plan.
+        """
+        backend = _backend(address)
+        wanted = plan_identity(config.to_dict(), data_hash, plan.epochs, plan.seed)
+        if backend.exists(address):
+            m = backend._open(address, False)
+            try:
+                m.check_same_plan(wanted)
+            except BaseException:
+                m.close()
+                raise
+            return m
+        backend._write_new(address, config=config, samples=samples, plan=plan, data_path=data_path,
+                           data_hash=data_hash, layer_ids=layer_ids, extra_meta=extra_meta)
+        return backend._open(address, False)
+
+    @staticmethod
+    def exists(address: str | Path) -> bool:
+        return _backend(address).exists(address)
+
+    @classmethod
+    @abc.abstractmethod
+    def _open(cls, address, readonly: bool) -> "Manifest": ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Manifest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ metadata and samples
+    @property
+    @abc.abstractmethod
+    def meta(self) -> dict[str, Any]:
+        """The plan's metadata (``config``, ``data_hash``, ``epochs``, ``seed``, ``layer_ids``, ...)."""
+
+    @abc.abstractmethod
+    def set_meta(self, key: str, value: Any) -> None:
+        """Set one metadata key (extract records ``bytes_per_token``, ``layer_ids``, ``extract_window``)."""
+
+    @abc.abstractmethod
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (int32) and loss mask (uint8) of sample i."""
+
+    @abc.abstractmethod
+    def sample_lengths(self) -> np.ndarray: ...
+
+    @property
+    def config(self) -> Config:
+        return config_from_dict(self.meta["config"], f"{self.address} (config snapshot)")
+
+    @property
+    def manifest_id(self) -> str:
+        return self.meta["manifest_id"]
+
+    def check_same_plan(self, wanted: dict) -> None:
+        """Raise ManifestMismatchError unless this manifest holds the plan ``wanted``
+        (:func:`~dflash_staged.manifest.states.plan_identity`)."""
+        m = self.meta
+        have = plan_identity(m["config"], m["data_hash"], m["epochs"], m["seed"])
+        diffs = diff_dicts(have, wanted)
+        if diffs:
+            raise ManifestMismatchError(
+                f"{self.address} was planned from different inputs ({'; '.join(diffs[:8])}"
+                f"{'; ...' if len(diffs) > 8 else ''}); use another manifest, or delete {self.address} to re-plan")
+
+    # ------------------------------------------------------------------ queries
+    @abc.abstractmethod
+    def job(self, job_id: int) -> Job: ...
+
+    @abc.abstractmethod
+    def jobs(self, state: str | None = None) -> list[Job]:
+        """Every job (or those in ``state``), in id order."""
+
+    @abc.abstractmethod
+    def counts(self) -> dict[str, int]:
+        """Jobs per state (every state in :data:`STATES`, zeros included)."""
+
+    @abc.abstractmethod
+    def tokens_by_state(self) -> dict[str, int]:
+        """Real tokens per state (zeros included)."""
+
+    @abc.abstractmethod
+    def window(self) -> dict[str, int]:
+        """``{"shards": n, "bytes": b}`` held in the window (see the state machine)."""
+
+    @abc.abstractmethod
+    def ready_count(self) -> int:
+        """Written jobs no trainer has taken yet."""
+
+    @abc.abstractmethod
+    def consumed_upto(self, step: int) -> list[Job]:
+        """Consumed jobs whose step is at most ``step`` (a checkpoint at ``step`` covers them)."""
+
+    @abc.abstractmethod
+    def events(self, kind: str | None = None) -> list[dict]: ...
+
+    @abc.abstractmethod
+    def requeue_reasons(self) -> dict[str, int]:
+        """How often shards were sent back for re-extraction, by kind of error."""
+
+    def extract_done(self) -> bool:
+        """No job is pending or claimed."""
+        return group_counts(self.counts())["to_extract"] == 0
+
+    def progress(self) -> dict[str, dict[str, int]]:
+        """Jobs and real tokens per named state group (``extracted``, ``trained``, ...)."""
+        return {"jobs": group_counts(self.counts()), "tokens": group_counts(self.tokens_by_state())}
+
+    def status(self) -> dict[str, Any]:
+        """What ``dflash status --json`` prints."""
+        m, counts = self.meta, self.counts()
+        return {
+            "manifest": self.address, "manifest_id": m["manifest_id"], "jobs": counts,
+            "total_jobs": sum(counts.values()), "epochs": int(m["epochs"]), "window": self.window(),
+            "padding_waste": float(m["padding_waste"]), "extract_done": group_counts(counts)["to_extract"] == 0,
+            "tokens": {"real": int(m["tokens_real"]), "padded": int(m["tokens_padded"])},
+            "tokens_by_state": self.tokens_by_state(), "groups": group_counts(counts),
+            "samples": int(m["n_samples"]), "target_id": m["target_id"], "layer_ids": m["layer_ids"],
+            "requeued": self.requeue_reasons(),
+            "failed": [{"id": j.id, "error": e} for j, e in self.failed_errors()],
+            "processes": [{"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank}
+                          for p in self.live_procs()],
+        }
+
+    @abc.abstractmethod
+    def failed_errors(self) -> list[tuple[Job, str]]:
+        """Failed jobs with their last error text."""
+
+    # ------------------------------------------------------------------ extract side
+    @abc.abstractmethod
+    def reclaim_stale(self) -> int:
+        """Claims whose lease expired, or whose process is gone (same host), back to pending."""
+
+    @abc.abstractmethod
+    def claim(self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0) -> ClaimResult:
+        """Check the window and claim the next pending job in manifest order, in one transaction."""
+
+    @abc.abstractmethod
+    def extend_lease(self, job: Job, lease_s: float) -> bool:
+        """The heartbeat: extend the lease; False means the claim was lost (stop; delete any shard)."""
+
+    @abc.abstractmethod
+    def publish(self, job: Job, nbytes: int, checksum: str, commit=None) -> bool:
+        """claimed -> written, only if this attempt still holds the claim. ``commit()`` (e.g. the
+        shard's rename into place) runs inside the transaction, after the ownership check; if it
+        raises, nothing changes. False (and commit not called) when the claim was lost."""
+
+    @abc.abstractmethod
+    def give_back(self, job: Job, reason: str = "given back") -> bool:
+        """claimed -> pending, not counted as an error (signal, shutdown, disk full)."""
+
+    @abc.abstractmethod
+    def fail(self, job: Job, error: str, max_attempts: int) -> str | None:
+        """Record an error: back to pending, or ``failed`` once errors reach max_attempts;
+        returns the new state (None if the claim was lost)."""
+
+    @abc.abstractmethod
+    def retry_failed(self) -> int:
+        """failed -> pending with the error count reset."""
+
+    # ------------------------------------------------------------------ train side
+    @abc.abstractmethod
+    def take(self, trainer: str, rank: int, n: int) -> list[Job]:
+        """Admit up to n written, untaken shards, oldest first, marking them taken by (trainer, rank)."""
+
+    @abc.abstractmethod
+    def retake(self, trainer: str, rank: int, job_ids: Iterable[int]) -> list[Job]:
+        """Mark these written jobs taken by (trainer, rank) again (a checkpoint's buffer, on resume);
+        returns those that are, in the given order."""
+
+    @abc.abstractmethod
+    def consume(self, job_ids: Iterable[int], step: int, rank_of: dict[int, int] | None = None) -> None:
+        """Optimizer step ``step`` completed using these shards: written -> consumed."""
+
+    @abc.abstractmethod
+    def release(self, job_ids: Iterable[int], keep: bool = False) -> None:
+        """A durable checkpoint covers these consumed jobs: -> released (shard deleted) or kept."""
+
+    @abc.abstractmethod
+    def requeue(self, job_id: int, reason: str) -> bool:
+        """A shard failed verification: written/consumed -> pending for re-extraction."""
+
+    @abc.abstractmethod
+    def resume_trainer(self, covered: dict[int, int]) -> list[int]:
+        """Reconcile with a checkpoint (``covered``: job id -> the step that consumed it), in one
+        transaction; returns the covered jobs now consumed (to delete or keep, then release)."""
+
+    # ------------------------------------------------------------------ processes
+    @abc.abstractmethod
+    def register(self, role: str, *, group_id: str | None = None, rank: int | None = None,
+                 info: dict | None = None, exclusive: bool = False) -> str:
+        """Record this process; with ``exclusive``, refuse (TrainerBusyError) if a live process of
+        ``role`` from another group holds the manifest. Returns the registration id."""
+
+    @abc.abstractmethod
+    def unregister(self, proc_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def live_procs(self, role: str | None = None) -> list[Proc]: ...
+
+    def unregister_me(self, role: str) -> None:
+        """Drop this process's registrations of ``role``."""
+        import os
+        for p in self.live_procs(role):
+            if p.pid == os.getpid():
+                self.unregister(p.id)
+
+    @abc.abstractmethod
+    def ever_registered(self, role: str) -> bool:
+        """Whether a process of ``role`` ever started on this manifest."""
+
+    @abc.abstractmethod
+    def log_event(self, kind: str, detail: str = "", job: int | None = None) -> None: ...
+
+
+__all__ = ["Manifest", "STATES"]

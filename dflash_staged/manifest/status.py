@@ -1,0 +1,28 @@
+"""``dflash status``: the human form of :meth:`dflash_staged.manifest.Manifest.status`."""
+
+from __future__ import annotations
+
+from dflash_staged.manifest.states import group_counts
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def format_status(st: dict) -> str:
+    """Human form of ``Manifest.status()``: a table of job states and a progress line."""
+    jobs, total = st["jobs"], max(1, sum(st["jobs"].values()))
+    rows = [f"{'state':<10}{'jobs':>10}{'share':>9}"]
+    rows += [f"{k:<10}{n:>10,}{n / total:>9.1%}" for k, n in jobs.items()]
+    g = group_counts(jobs)
+    extracted, trained = g["extracted"], g["trained"]
+    win = st["window"]
+    rows.append(f"extracted {extracted:,}/{total:,} ({extracted / total:.1%}), trained {trained:,}/{total:,} "
+                f"({trained / total:.1%}) over {st['epochs']} epoch(s); window {win['shards']} shards "
+                f"{human_bytes(win['bytes'])}; extract {'done' if st['extract_done'] else 'running'}; "
+                f"padding waste {st['padding_waste']:.2%}")
+    return "\n".join(rows)

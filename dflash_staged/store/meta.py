@@ -1,0 +1,107 @@
+"""The store's vocabulary: format constants, metadata records, shard tensors and errors.
+
+The layout they describe is specified in :mod:`dflash_staged.store.layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_staged.dtypes import DTYPES
+from dflash_staged.errors import DflashError
+
+FORMAT_VERSION = 1
+ARRAYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens", "sample_ids")
+COMPRESSIONS = ("none", "zstd")
+# logical dtype -> (torch dtype, zarr data_type on disk)
+LOGICAL_DTYPES = {name: (DTYPES[name], zdt) for name, zdt in
+                  (("bfloat16", "uint16"), ("float16", "float16"), ("float32", "float32"))}
+TOKEN_BYTES = 5  # per token besides the hidden states: int32 input id + uint8 loss mask
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, itemsize: int) -> int:
+    """Shard bytes per real token: K tapped states of ``hidden_size`` values, + id + loss mask."""
+    return num_layers * hidden_size * itemsize + TOKEN_BYTES
+SMALL_ARRAYS = {"input_ids": (torch.int32, "int32"), "loss_mask": (torch.uint8, "uint8"),  # (torch, zarr dtype)
+                "cu_seqlens": (torch.int64, "int64"), "sample_ids": (torch.int64, "int64")}
+
+
+class ShardError(DflashError):
+    """A shard cannot be trusted; the manifest sends its job back to ``pending``."""
+
+
+class ShardMissingError(ShardError):
+    """The shard directory does not exist."""
+
+
+class ShardCorruptError(ShardError):
+    """Checksum mismatch, unreadable metadata, or not the shard the manifest recorded."""
+
+
+class ShardTruncatedError(ShardError):
+    """A chunk file is missing or shorter than the shard metadata says."""
+
+
+class StoreMismatchError(DflashError):
+    """The store was written for another manifest, target, layer set, hidden size or dtype."""
+
+
+class StoreMissingError(DflashError):
+    """No store at the given path."""
+
+
+class StoreFullError(DflashError):
+    """The disk holding the store is full (ENOSPC/EDQUOT); the partial shard was removed."""
+
+
+@dataclass
+class StoreMeta:
+    manifest_id: str
+    target_id: str
+    layer_ids: list[int]
+    hidden_size: int
+    logical_dtype: str
+    compression: str = "none"
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        self.layer_ids = [int(i) for i in self.layer_ids]
+        if self.logical_dtype not in LOGICAL_DTYPES:
+            raise ValueError(f"logical_dtype={self.logical_dtype!r}: use one of {sorted(LOGICAL_DTYPES)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression={self.compression!r}: use one of {COMPRESSIONS}")
+
+
+@dataclass
+class ShardInfo:
+    epoch: int
+    job_id: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass
+class Shard:
+    """One job's packed samples, CPU tensors. ``hidden`` has the store's logical dtype."""
+    epoch: int
+    job_id: int
+    hidden: torch.Tensor      # [T, K, H]
+    input_ids: torch.Tensor   # [T] int32
+    loss_mask: torch.Tensor   # [T] bool
+    cu_seqlens: torch.Tensor  # [B+1] int64
+    sample_ids: torch.Tensor  # [B] int64
+    nbytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+@dataclass
+class StagedShard:
+    """A completely written shard under its temporary name, not yet visible to readers."""
+    tmp: Path
+    info: ShardInfo

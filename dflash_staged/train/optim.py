@@ -1,0 +1,70 @@
+"""The drafter's optimizer: AdamW over the trainable parameters, the learning-rate schedule,
+gradient all-reduce and clipping, and the optimizer's part of a checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dflash_staged.config import TrainConfig
+
+
+def lr_at(step: int, total: int, base: float, warmup_ratio: float) -> float:
+    """Linear warmup then cosine decay to zero; ``step`` counts completed steps (0-based)."""
+    warm = max(1, int(round(warmup_ratio * total)))
+    if step < warm:
+        return base * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return base * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Optimizer:
+    """AdamW over named parameters (fp32 masters), stepped once per optimizer step."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], t: TrainConfig, dist):
+        self.params, self.t, self.dist = params, t, dist
+        self.names = {p: n for n, p in params.items()}
+        self.opt = torch.optim.AdamW(list(params.values()), lr=t.lr, betas=tuple(t.betas),
+                                     weight_decay=t.weight_decay, eps=1e-8)
+
+    def lr(self, step: int, total_steps: int) -> float:
+        return lr_at(step, total_steps, self.t.lr, self.t.warmup_ratio)
+
+    def step(self, lr: float) -> None:
+        """Sum the gradients over ranks, clip, apply at ``lr``, zero them."""
+        params = list(self.params.values())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.dist.all_reduce_([p.grad for p in params])
+        if self.t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, self.t.grad_clip)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    # -- checkpoint ------------------------------------------------------------------------------
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], int]:
+        """fp32 masters and AdamW moments as flat named tensors (see the checkpoint format), and
+        AdamW's step count."""
+        out = {f"master.{n}": p.detach().float() for n, p in self.params.items()}
+        steps = 0
+        for p, st in self.opt.state.items():
+            if st:
+                n = self.names[p]
+                out[f"opt.{n}.exp_avg"] = st["exp_avg"]
+                out[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"]
+                steps = int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"])
+        return out, steps
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], steps: int) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(tensors[f"master.{n}"].to(p.device, p.dtype))
+        for n, p in self.params.items():
+            if f"opt.{n}.exp_avg" in tensors:
+                self.opt.state[p] = {"step": torch.tensor(float(steps)),
+                                     "exp_avg": tensors[f"opt.{n}.exp_avg"].to(p.device, p.dtype),
+                                     "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].to(p.device, p.dtype)}

@@ -1,0 +1,23 @@
+"""What one ``dflash train`` run is asked to do (its command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class TrainOptions:
+    manifest: Path
+    store: Path
+    out: Path
+    replay: bool = False
+    keep_shards: bool = False
+    order_from: Path | None = None
+    passes: int = 1
+    overrides: dict = field(default_factory=dict)  # {section: {key: value}}
+    device: str | None = None
+    verify: bool = True
+    max_steps: int | None = None  # stop (with a checkpoint) once this many steps are done
+    total_steps: int | None = None  # the lr/noise schedule's length [default: the data's]
+    tensorboard: bool = False

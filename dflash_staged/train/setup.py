@@ -1,0 +1,111 @@
+"""The pieces :func:`dflash_staged.train.trainer.build_trainer` assembles: the device, the config
+(with ``--set`` overrides), the store (waited for while extract creates it), the drafter with
+the target's frozen embedding and head, and a recorded step order to replay."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_staged.config import REPLAY_OVERRIDABLE, Config, apply_overrides, window_check
+from dflash_staged.errors import DflashError
+from dflash_staged.manifest import Manifest
+from dflash_staged.store import ShardStore
+from dflash_staged.train import checkpoint as ckpt
+from dflash_staged.train.options import TrainOptions
+
+STORE_WAIT_POLL_S = 0.5
+
+
+def pick_device(name: str | None) -> torch.device:
+    """``--device``, else CUDA when available; under torchrun each rank takes its LOCAL_RANK GPU."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def run_config(m: Manifest, opts: TrainOptions) -> Config:
+    """The manifest's config snapshot with the allowed ``--set`` overrides applied."""
+    cfg = m.config
+    if opts.overrides:
+        allowed = REPLAY_OVERRIDABLE if opts.replay else {"train": REPLAY_OVERRIDABLE["train"]}
+        cfg = apply_overrides(cfg, opts.overrides, allowed, "train --replay" if opts.replay else "train")
+    return cfg
+
+
+def check_window(m: Manifest, cfg: Config, ranks: int) -> None:
+    """The same arithmetic as extract: the window must hold min_ready x ranks shards (else the trainer
+    could wait forever), and should hold capacity x ranks + 3 x workers + one checkpoint interval."""
+    w = m.meta.get("extract_window") or {"shards": cfg.extract.window, "workers": 1}
+    err, warn = window_check(cfg, int(w["shards"]), int(w.get("workers", 1)), ranks)
+    if err:
+        raise DflashError(f"{m.address}: extract runs with {err}")
+    if warn:
+        print(f"train: warning: {warn}", file=sys.stderr, flush=True)
+
+
+def wait_for_store(opts: TrainOptions, m: Manifest) -> ShardStore:
+    """The store, once extract has created it (a replay needs it at once)."""
+    said = False
+    while not ShardStore.exists(opts.store):
+        if opts.replay:
+            raise DflashError(f"replay: no store at {opts.store}; give the store the live run kept (--store)")
+        if m.extract_done() and not m.counts()["written"]:
+            raise DflashError(f"no store at {opts.store} although {m.address} has nothing left to extract; "
+                              "check --store (it must be the path given to `dflash extract`)")
+        if not said:
+            print(f"train: waiting for the store at {opts.store} (start `dflash extract --manifest {m.address} "
+                  f"--store {opts.store}`)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(STORE_WAIT_POLL_S)
+    return ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})
+
+
+def build_drafter(cfg: Config, store: ShardStore, device: torch.device):
+    """A freshly initialised drafter for this target and store, with the frozen embedding and head."""
+    from dflash_staged.model.dims import target_dims
+    from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+    from dflash_staged.model.target import load_tokenizer
+    from dflash_staged.model.weights import load_embed_and_head, validate_mask_token
+    dims = target_dims(cfg.target)
+    if store.meta.hidden_size != dims.hidden_size:
+        raise DflashError(f"store {store.root} holds hidden size {store.meta.hidden_size} but the target "
+                          f"{cfg.target.model} has {dims.hidden_size}; use the store extracted from this target")
+    embed_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed, head = load_embed_and_head(cfg.target, dtype=embed_dtype, device=device)
+    mask_id = validate_mask_token(cfg.drafter.mask_token_id, load_tokenizer(cfg.target), dims.vocab_size)
+    dcfg = DraftModelConfig.from_config(cfg, dims.hidden_size, dims.vocab_size, dims.num_layers,
+                                        list(store.meta.layer_ids), mask_id)
+    torch.manual_seed(cfg.train.seed)
+    return DFlashDrafter(dcfg, embed, head).to(device)
+
+
+def load_order(path: Path) -> dict[int, list[int]]:
+    """``--order-from RUN``: the jobs each step of that run consumed, from its newest checkpoint."""
+    latest = ckpt.latest_checkpoint(path)
+    if latest is None:
+        raise DflashError(f"--order-from {path}: no checkpoint there to read the draw order from")
+    _, state = ckpt.load_checkpoint(latest)
+    return {int(s): [int(j[0]) for j in items] for s, items in state["consumed"].items()}
+
+
+def check_resumable(latest: Path, state: dict, m: Manifest, dcfg: dict, world: int) -> None:
+    """Refuse a checkpoint of another manifest, drafter config or number of ranks."""
+    if state["manifest_id"] != m.manifest_id:
+        raise DflashError(f"checkpoint {latest} belongs to manifest {state['manifest_id']}, not {m.address} "
+                          f"({m.manifest_id}); use a new --out for this manifest")
+    have = state["drafter_config"]
+    diffs = [f"{k}: {have.get(k)!r} -> {dcfg.get(k)!r}" for k in sorted(set(have) | set(dcfg))
+             if have.get(k) != dcfg.get(k) and k not in ("dtype", "torch_dtype")]
+    if diffs:
+        raise DflashError(f"checkpoint {latest} was trained with another drafter config ({'; '.join(diffs[:6])}); "
+                          "use a new --out for this config")
+    if state.get("world", 1) != world:
+        raise DflashError(f"checkpoint {latest} was written by {state.get('world', 1)} rank(s), this run has "
+                          f"{world}; resume with the same number of trainer ranks")
