@@ -7,7 +7,7 @@ tokens / rate). Both designs move the same tensors:
 * staged: producer *processes* claim jobs from a real manifest (window-bounded),
   write shards with the real store (fsync + atomic publish under the claim), and
   the trainer tails the manifest through the real LiveSource + ShardBuffer (read
-  with CRC verification), marks shards consumed, and releases them every
+  with XXH3-64 verification), marks shards consumed, and releases them every
   `--ckpt-every` steps, exactly as `dflash train` does;
 * queue: a producer thread hands tensors to the trainer thread through an
   unbounded ``queue.Queue`` (the old design).

@@ -5,7 +5,7 @@
 Layout: K=5 tapped layers, H=4096, bf16 (40 KiB per token), shards of ~4096 tokens made of
 ragged samples (64..1024 tokens). Methods, each writing and reading the same bytes:
 
-  store        ShardStore.write_shard / read_shard (read includes the default CRC32C verification)
+  store        ShardStore.write_shard / read_shard (read includes the default XXH3-64 verification)
   store+zstd   the same with compression="zstd" (only with --zstd)
   numpy        one file per shard, ndarray.tofile of every array + fsync / np.fromfile
   torch.save   one torch.save file per sample (SpecForge/EAGLE offline style) + fsync / torch.load

@@ -132,6 +132,18 @@ def test_existing_manifest_is_reused_and_a_different_plan_refused(tmp_path):
     assert r.exit_code == 1 and "epochs: 1 -> 2" in r.output and "delete" in r.output
 
 
+def test_new_data_for_an_existing_workdir_is_refused(tmp_path):
+    # Regression: the launcher's own "same plan?" check ignored the data, so new data trained on the old plan.
+    from helpers import write_dataset
+    from dflash_staged.plan.command import plan_manifest
+    old, new = write_dataset(tmp_path / "old.jsonl", n=8, seed=1), write_dataset(tmp_path / "new.jsonl", n=8, seed=2)
+    plan_manifest("configs/tiny.toml", old, tmp_path / "w" / "manifest")
+    r = CliRunner().invoke(main, ["pipeline", "--config", "configs/tiny.toml", "--data", str(new), "--workdir",
+                                  str(tmp_path / "w"), "--dry-run"])
+    assert r.exit_code == 1, r.output
+    assert "data_hash" in r.output and "already holds this plan" not in r.output and "--workdir" in r.output
+
+
 # ---------------------------------------------------------------------------------------------- supervision
 def run(extract: str, train: str, **kw) -> tuple[int, str]:
     out = io.StringIO()

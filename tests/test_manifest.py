@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dflash_staged.config import Config
-from dflash_staged.manifest import Manifest, ManifestMismatchError, TrainerBusyError
+from dflash_staged.manifest import Manifest, ManifestError, ManifestMismatchError, TrainerBusyError
 
 
 def fake_inputs(n_batches=6, epochs=1, per_batch=2, seed=0):
@@ -180,3 +180,21 @@ def test_second_trainer_refused(tmp_path):
         p.kill()
         p.wait()
     m.register("train", group_id="B", exclusive=True)  # the first one is dead now
+
+
+def test_another_format_version_is_refused_on_open(tmp_path):
+    m = make(tmp_path)
+    m.set_meta("format_version", 99)  # a manifest written by a later version
+    m.close()
+    with pytest.raises(ManifestError, match="format_version 99"):
+        Manifest.open(tmp_path / "m")
+
+
+def test_paths_with_hash_and_question_marks_are_plain_paths(tmp_path):
+    # SQLite URIs end the path at '#' or '?'; the manifest must open such a directory as it is
+    m = make(tmp_path, name="run#1?x")
+    m.close()
+    for readonly in (False, True):
+        with Manifest.open(tmp_path / "run#1?x", readonly=readonly) as m2:
+            assert m2.counts()["pending"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run#1?x"]

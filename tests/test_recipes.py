@@ -27,10 +27,12 @@ def test_recipe_loads_and_builds_the_drafter_config(name):
     cfg = load_config(ROOT / "configs" / name)
     ids = cfg.target.target_layer_ids
     assert ids == dflash_target_layers(layers, cfg.drafter.num_hidden_layers)  # explicit = the DFlash rule
-    assert cfg.target.dtype == "auto" and cfg.drafter.block_size == 16 and cfg.drafter.mask_token_id == mask_id
+    assert cfg.target.dtype == "auto"  # bf16 on CUDA
+    assert cfg.drafter.mask_token_id == mask_id and mask_id < vocab  # a row of the target's embedding
     t = cfg.train
-    assert (t.lr, t.warmup_ratio, t.gamma, t.num_anchors) == (6e-4, 0.04, 7.0, 512)
-    assert 3072 <= cfg.data.max_len <= 4096
+    assert 0 < t.gamma <= cfg.drafter.block_size and t.warmup_ratio < 0.2
+    # anchors are positions of a sequence (blocks overlap): at most one per token
+    assert cfg.data.max_len <= cfg.data.token_budget and t.num_anchors <= cfg.data.max_len
     d = DraftModelConfig.from_config(cfg, hidden, vocab, layers, ids, mask_id)
     assert {k: getattr(d, k) for k in geometry} == geometry
     assert len(d.target_layer_ids) * hidden * 2 == hidden_bytes

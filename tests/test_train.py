@@ -123,14 +123,24 @@ def test_replay_is_deterministic_and_resumes_equal(kept, tmp_path):
     assert len(la) >= 4
     assert [x["loss"] for x in la] == [x["loss"] for x in lb]
     assert [x["jobs"] for x in la] == [x["jobs"] for x in lb]
-    # interrupted at step 2 and resumed: the same draws and losses as the uninterrupted run
-    c1 = run_dflash(*args, "--out", tmp_path / "c", "--max-steps", "2")
+    # interrupted at step 2 (--max-steps only stops) and resumed: the same draws, learning rates and
+    # losses as the uninterrupted run. No warmup, so a schedule cut to 2 steps would show at once.
+    nowarm = ("--set", "train.warmup_ratio=0")
+    d = run_dflash(*args, *nowarm, "--out", tmp_path / "d")
+    c1 = run_dflash(*args, *nowarm, "--out", tmp_path / "c", "--max-steps", "2")
     assert c1.returncode == 0, c1.stdout + c1.stderr
-    c2 = run_dflash(*args, "--out", tmp_path / "c")
-    assert c2.returncode == 0, c2.stdout + c2.stderr
-    lc = metrics(tmp_path / "c")
-    assert [x["jobs"] for x in lc] == [x["jobs"] for x in la]
-    assert [x["loss"] for x in lc] == [x["loss"] for x in la]
+    assert [x["step"] for x in metrics(tmp_path / "c")] == [1, 2]
+    c2 = run_dflash(*args, *nowarm, "--out", tmp_path / "c")
+    assert d.returncode == 0 and c2.returncode == 0, c2.stdout + c2.stderr
+    lc, ld = metrics(tmp_path / "c"), metrics(tmp_path / "d")
+    assert [x["jobs"] for x in lc] == [x["jobs"] for x in ld] == [x["jobs"] for x in la]
+    assert [x["lr"] for x in lc] == [x["lr"] for x in ld]
+    assert [x["loss"] for x in lc] == [x["loss"] for x in ld]
+    # --total-steps sets the schedule's length: half the steps at the same lr curve stretched differently
+    e = run_dflash(*args, *nowarm, "--out", tmp_path / "e", "--total-steps", str(2 * len(ld)))
+    assert e.returncode == 0, e.stdout + e.stderr
+    le = metrics(tmp_path / "e")
+    assert len(le) == len(ld) and le[-1]["lr"] > ld[-1]["lr"]
     # the kept manifest was not modified by the replays
     assert status(kept / "manifest")["jobs"]["kept"] == status(kept / "manifest")["total_jobs"]
 
@@ -152,7 +162,8 @@ def test_replay_order_from_and_overrides(kept, tmp_path):
 def test_ddp_two_ranks_gloo(extracted, tmp_path):
     mdir, store = copy_of(extracted, tmp_path)
     run = tmp_path / "run"
-    r = run_dflash("train", "--manifest", mdir, "--store", store, "--out", run, "--nproc", "2", "--device", "cpu",
+    # `--nproc=2` (with "="): regression, the relaunch under torchrun crashed on this spelling
+    r = run_dflash("train", "--manifest", mdir, "--store", store, "--out", run, "--nproc=2", "--device", "cpu",
                    timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     state, _ = final_consumed(run)

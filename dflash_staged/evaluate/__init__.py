@@ -1,1 +1,1 @@
-"""evaluate stage."""
+"""``dflash eval``: greedy speculative decoding against the target, and the acceptance length tau."""

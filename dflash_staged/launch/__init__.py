@@ -1,1 +1,1 @@
-"""launch stage."""
+"""``dflash pipeline`` and ``dflash node``: plan, then extract and train side by side under one supervisor."""

@@ -8,6 +8,7 @@ writes job state.
 
 from dflash_staged.manifest.base import Manifest  # noqa: F401
 from dflash_staged.manifest.build import ONE_HOST  # noqa: F401
+from dflash_staged.manifest.sqlite import SqliteManifest  # noqa: F401 (registers the embedded backend)
 from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, GROUPS, IN_WINDOW, STATES,  # noqa: F401
                                            TO_EXTRACT, TRAINED, ClaimResult, Job, ManifestError,
                                            ManifestMismatchError, Proc, TrainerBusyError, diff_dicts,

@@ -2,7 +2,8 @@
 
 :class:`Manifest` is what ``plan``, ``extract``, ``train``, ``eval``, ``status`` and the
 launchers hold. ``Manifest.open(address)`` and ``Manifest.create(address, ...)`` pick the
-backend from the address (a directory: :class:`~dflash_staged.manifest.sqlite.SqliteManifest`).
+backend from the address among those registered (:func:`register_backend`; a directory:
+:class:`~dflash_staged.manifest.sqlite.SqliteManifest`).
 The job state machine these operations implement is specified in
 :mod:`dflash_staged.manifest.states`. A handle belongs to one process and one thread.
 """
@@ -16,13 +17,25 @@ from typing import Any, Iterable
 import numpy as np
 
 from dflash_staged.config import Config, config_from_dict
-from dflash_staged.manifest.states import (STATES, ClaimResult, Job, ManifestMismatchError, Proc, diff_dicts,
-                                           group_counts, plan_identity)
+from dflash_staged.manifest.states import (STATES, ClaimResult, Job, ManifestError, ManifestMismatchError, Proc,
+                                           diff_dicts, group_counts, plan_identity)
 
 
-def _backend(address: str | Path):
-    from dflash_staged.manifest.sqlite import SqliteManifest
-    return SqliteManifest
+_BACKENDS: list[type["Manifest"]] = []  # registered by each backend module (see register_backend)
+
+
+def register_backend(cls: type["Manifest"]) -> type["Manifest"]:
+    """Class decorator: make a backend reachable through ``Manifest.open``/``create``; later ones
+    are asked first, the embedded SQLite backend (which takes any path) last."""
+    _BACKENDS.insert(0, cls)
+    return cls
+
+
+def _backend(address: str | Path) -> type["Manifest"]:
+    for cls in _BACKENDS:
+        if cls.handles(address):
+            return cls
+    raise ManifestError(f"no manifest backend takes the address {address!r}")  # pragma: no cover
 
 
 class Manifest(abc.ABC):
@@ -45,7 +58,7 @@ class Manifest(abc.ABC):
         """
         backend = _backend(address)
         wanted = plan_identity(config.to_dict(), data_hash, plan.epochs, plan.seed)
-        if backend.exists(address):
+        if backend._exists(address):
             m = backend._open(address, False)
             try:
                 m.check_same_plan(wanted)
@@ -57,9 +70,24 @@ class Manifest(abc.ABC):
                            data_hash=data_hash, layer_ids=layer_ids, extra_meta=extra_meta)
         return backend._open(address, False)
 
-    @staticmethod
-    def exists(address: str | Path) -> bool:
-        return _backend(address).exists(address)
+    @classmethod
+    def exists(cls, address: str | Path) -> bool:
+        """Whether a manifest is at ``address``."""
+        return _backend(address)._exists(address)
+
+    @classmethod
+    @abc.abstractmethod
+    def handles(cls, address: str | Path) -> bool:
+        """Whether this backend takes ``address``."""
+
+    @classmethod
+    @abc.abstractmethod
+    def _exists(cls, address) -> bool: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def _write_new(cls, address, **plan_kw) -> None:
+        """Create the manifest of a plan atomically (see :meth:`create`)."""
 
     @classmethod
     @abc.abstractmethod
@@ -247,9 +275,10 @@ class Manifest(abc.ABC):
 
     def unregister_me(self, role: str) -> None:
         """Drop this process's registrations of ``role``."""
-        import os
+        from dflash_staged.procs import my_identity
+        host, pid, _ = my_identity()
         for p in self.live_procs(role):
-            if p.pid == os.getpid():
+            if (p.host, p.pid) == (host, pid):
                 self.unregister(p.id)
 
     @abc.abstractmethod

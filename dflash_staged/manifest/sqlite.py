@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from dflash_staged.manifest.base import Manifest
+from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.build import ONE_HOST, check_local_fs, write_manifest_dir
 from dflash_staged.manifest.states import (FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError, Proc,
                                            TrainerBusyError)
@@ -35,6 +35,7 @@ _FREE_CLAIM = "worker=NULL, host=NULL, pid=NULL, pid_start=NULL, lease_until=NUL
 _IN = lambda states: "(" + ",".join(f"'{s}'" for s in states) + ")"  # noqa: E731
 
 
+@register_backend
 class SqliteManifest(Manifest):
     """A manifest directory on a local disk; see the module docstring."""
 
@@ -47,8 +48,12 @@ class SqliteManifest(Manifest):
         self._samples: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # ------------------------------------------------------------------ creation / opening
-    @staticmethod
-    def exists(address) -> bool:
+    @classmethod
+    def handles(cls, address) -> bool:
+        return True  # any path (asked last)
+
+    @classmethod
+    def _exists(cls, address) -> bool:
         d = Path(address)
         if d.is_dir() and not any(d.iterdir()):
             return False  # an empty directory (e.g. made by the user) counts as no manifest
