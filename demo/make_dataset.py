@@ -36,37 +36,21 @@ from dflash_staged.fsutil import atomic_write  # noqa: E402
 from prepare import DEFAULT_CACHE, MASK_TOKEN, MASK_TOKEN_ID, prepare_smollm2  # noqa: E402
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically (``dflash_staged.fsutil.atomic_write``)."""
-    atomic_write(path, text)
+def generate(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int, work: Path):
+    """Greedy responses (text, generated token count) for `prompts`: a call of `dflash regenerate`
+    (resumable: a rerun after a kill continues from `work`)."""
+    from dflash_staged.config import TargetConfig
+    from dflash_staged.regenerate.command import run_regenerate
+    from dflash_staged.regenerate.worker import GenOptions
 
-
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int):
-    """Greedy responses (text, generated token count) for `prompts`, batched by prompt length."""
-    import torch
-
-    tokenizer.padding_side = "left"
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"] for p in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
-    results: list[tuple[str, int] | None] = [None] * len(prompts)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    t0, new_tokens = time.perf_counter(), 0
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        batch = tokenizer.pad({"input_ids": [encoded[i] for i in idx]}, return_tensors="pt")
-        with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=pad, eos_token_id=eos)
-        gen = out[:, batch["input_ids"].shape[1]:].tolist()
-        for i, ids in zip(idx, gen):
-            n = ids.index(eos) if eos in ids else len(ids)
-            results[i] = (tokenizer.decode(ids[:n], skip_special_tokens=True).strip(), n)
-            new_tokens += n
-        dt = time.perf_counter() - t0
-        print(f"[data] {start + len(idx)}/{len(prompts)} prompts, {new_tokens} new tokens, "
-              f"{dt:.0f}s ({new_tokens / dt:.0f} tok/s)", flush=True)
-    return results
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / "prompts.jsonl"
+    atomic_write(src, "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts))
+    out = work / "answers.jsonl"
+    run_regenerate(src, GenOptions(target=TargetConfig(model=str(model_dir)), out=out, devices=["cpu"],
+                                   max_new_tokens=max_new_tokens), batch_size=batch_size)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    return [(r["messages"][-1]["content"], r["regenerated"]["new_tokens"][0]) for r in recs]
 
 
 def conversation_tokens(tokenizer, messages) -> list[int]:
@@ -89,19 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.heldout < args.n:
         ap.error("--heldout must be between 1 and --n - 1")
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the regenerate worker's torch threads
     t_start = time.perf_counter()
     model_dir = args.model or prepare_smollm2(args.cache)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    print(f"[data] loaded {model_dir} in {time.perf_counter() - t_start:.1f}s", flush=True)
 
     prompts = build_prompts(args.n, args.seed)
     t_gen = time.perf_counter()
-    responses = generate(model, tokenizer, prompts, args.max_new_tokens, args.batch_size)
+    responses = generate(model_dir, prompts, args.max_new_tokens, args.batch_size,
+                         args.cache / f"regenerate-n{args.n}-s{args.seed}-m{args.max_new_tokens}")
     gen_s = time.perf_counter() - t_gen
 
     convs = []
@@ -123,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
             "mask_token_id_absent": MASK_TOKEN_ID, "files": {}}
     for name, rows in splits.items():
         lines = "".join(json.dumps({"messages": c["messages"]}, ensure_ascii=False) + "\n" for c in rows)
-        write_atomic(args.out / f"{name}.jsonl", lines)
+        atomic_write(args.out / f"{name}.jsonl", lines)
         meta["files"][f"{name}.jsonl"] = {
             "conversations": len(rows), "tokens": sum(c["_tokens"] for c in rows),
             "response_tokens": sum(c["_new"] for c in rows),
             "max_response_tokens": max(c["_new"] for c in rows),
             "responses_at_cap": sum(c["_new"] >= args.max_new_tokens for c in rows)}
-    write_atomic(args.out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    atomic_write(args.out / "meta.json", json.dumps(meta, indent=2) + "\n")
     for name, info in meta["files"].items():
         print(f"[data] {args.out / name}: {info}")
     print(f"[data] generation {gen_s:.0f}s, total {time.perf_counter() - t_start:.0f}s")

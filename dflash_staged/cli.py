@@ -179,6 +179,43 @@ def eval_cmd(drafter_path, target_spec, prompts_path, max_new_tokens, limit, dev
     click.echo(json.dumps(report) if as_json else format_report(report))
 
 
+@main.command()
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(path_type=Path),
+              help="JSONL conversations ({\"messages\": [...]}); assistant turns are replaced.")
+@click.option("--target", "target_spec", required=True,
+              help="Target: model directory, hub id or tiny:qwen3; or a dflash config TOML (its [target]).")
+@click.option("--out", "out_path", required=True, type=click.Path(path_type=Path), help="Output JSONL.")
+@click.option("--devices", default="cpu", show_default=True, help="One worker per device: cuda:0,cuda:1 or cpu,cpu.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Length cap of each answer.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 = greedy; > 0 samples.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the sampling.")
+@click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+              help='Options of the chat template, e.g. \'{"enable_thinking": false}\'.')
+@user_errors
+def regenerate(prompts_path, target_spec, out_path, devices, max_new_tokens, temperature, top_p, batch_size, seed,
+               template_kwargs):
+    """Answer every conversation with the target itself: the data DFlash trains on (resumable)."""
+    import json
+    from dflash_staged.config import target_from_spec
+    from dflash_staged.extract.options import parse_devices
+    from dflash_staged.regenerate.command import run_regenerate
+    from dflash_staged.regenerate.worker import GenOptions
+    try:
+        kwargs = json.loads(template_kwargs) if template_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise DflashError(f"--chat-template-kwargs: not JSON ({e.msg}); give e.g. '{{\"enable_thinking\": false}}'") from None
+    if not isinstance(kwargs, dict):
+        raise DflashError("--chat-template-kwargs: give a JSON object, e.g. '{\"enable_thinking\": false}'")
+    o = GenOptions(target=target_from_spec(target_spec), out=out_path, devices=parse_devices(devices),
+                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                   chat_template_kwargs=kwargs)
+    run_regenerate(prompts_path, o, batch_size=batch_size)
+
+
 def parse_sets(sets) -> dict:
     """['train.lr=1e-3', 'drafter.block_size=8'] -> {'train': {'lr': 0.001}, 'drafter': {'block_size': 8}}."""
     from dflash_staged.config import tomllib

@@ -345,3 +345,10 @@ def window_check(cfg: Config, window: int, workers: int, ranks: int) -> tuple[st
                       f"({t.checkpoint_every} steps x {t.grad_accum} x {ranks}) = {comfortable}: target workers "
                       "may idle while the trainer holds shards; raise --window to keep them busy")
     return None, None
+
+
+def target_from_spec(spec: str) -> TargetConfig:
+    """``--target``: a dflash config TOML (its ``[target]``), or a model directory, hub id or ``tiny:*``."""
+    if spec.endswith(".toml"):
+        return load_config(spec).target
+    return TargetConfig(model=spec)

@@ -326,3 +326,14 @@ def load_tokenizer(cfg: TargetConfig):
     except (OSError, ValueError) as e:
         raise DflashError(f"cannot load the tokenizer from {source!r} (target.tokenizer, else target.model): "
                           f"{type(e).__name__}: {e}. Offline, the files must be local") from None
+
+
+def stop_token_ids(model, tokenizer=None) -> list[int]:
+    """The ids that end a generation: the model's generation config, its config, the tokenizer's eos."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+        if src is not None:
+            ids |= {int(x) for x in (src if isinstance(src, (list, tuple)) else [src])}
+    return sorted(ids)
