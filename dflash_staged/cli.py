@@ -216,6 +216,17 @@ def regenerate(prompts_path, target_spec, out_path, devices, max_new_tokens, tem
     run_regenerate(prompts_path, o, batch_size=batch_size)
 
 
+@main.command("plot")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", "out_path", type=click.Path(path_type=Path), default=None,
+              help="PNG to write [default: RUN_DIR/metrics.png].")
+@user_errors
+def plot_cmd(run_dir, out_path):
+    """Draw a run's training curves (loss, training tau, learning rate) from its metrics.jsonl."""
+    from dflash_staged.train.curves import plot_metrics
+    click.echo(str(plot_metrics(run_dir, out_path)))
+
+
 def parse_sets(sets) -> dict:
     """['train.lr=1e-3', 'drafter.block_size=8'] -> {'train': {'lr': 0.001}, 'drafter': {'block_size': 8}}."""
     from dflash_staged.config import tomllib

@@ -102,6 +102,9 @@ class DrafterConfig:
     block_size: int = 16
     mask_token_id: int = -1  # -1 = len(tokenizer) when that is < vocab size
     dtype: str = "bfloat16"  # dtype of the saved checkpoint
+    # "random", or "target_top": start from the target's top decoder layers (see model/init.py);
+    # with target_top, intermediate_size = 0 means the target's MLP width
+    init: str = "random"
 
     def __post_init__(self) -> None:
         _check(self.num_hidden_layers >= 1, f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1")
@@ -113,6 +116,7 @@ class DrafterConfig:
                f"num_key_value_heads={self.num_key_value_heads}: pick a divisor")
         _check(self.dtype in ("float32", "bfloat16", "float16"),
                f"drafter.dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        _check(self.init in ("random", "target_top"), f"drafter.init={self.init!r}: use 'random' or 'target_top'")
 
 
 @dataclass
@@ -211,7 +215,7 @@ _SECTION_CLASSES = {"target": TargetConfig, "data": DataConfig, "drafter": Draft
 # Settings `train --replay` may override; everything else is fixed by the stored shards.
 REPLAY_OVERRIDABLE = {
     "drafter": {"num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "block_size", "rms_norm_eps", "rope_theta", "dtype"},
+                "head_dim", "block_size", "rms_norm_eps", "rope_theta", "dtype", "init"},
     "train": {f.name for f in fields(TrainConfig)},
 }
 # Runtime-only settings a command line may override against the manifest's snapshot.

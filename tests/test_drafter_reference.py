@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from dflash_staged.config import TargetConfig, load_config
 from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.model.tiny import MASK
-from dflash_staged.model.weights import load_embed_and_head, save_drafter
+from dflash_staged.model.target_weights import load_embed_and_head
+from dflash_staged.model.weights import save_drafter
 
 REF = os.environ.get("DFLASH_REFERENCE_MODEL_PY", "")
 

@@ -149,8 +149,9 @@ def test_replay_order_from_and_overrides(kept, tmp_path):
     live = metrics(kept / "live")
     r = run_dflash("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store",
                    "--out", tmp_path / "o", "--order-from", kept / "live", "--set", "train.lr=1e-3",
-                   "--set", "drafter.block_size=4")
+                   "--set", "drafter.block_size=4", "--set", "drafter.init=target_top")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "drafter initialised from the target" in r.stderr
     assert [x["jobs"] for x in metrics(tmp_path / "o")] == [x["jobs"] for x in live]
     cfg = json.loads((latest_checkpoint(tmp_path / "o") / "config.json").read_text())
     assert cfg["block_size"] == 4

@@ -268,3 +268,14 @@ def test_lr_schedule_warms_up_peaks_and_decays_to_zero():
     assert lrs[:10] == sorted(lrs[:10]) and math.isclose(lrs[9], base)
     assert lrs[10:] == sorted(lrs[10:], reverse=True) and lrs[-1] < 1e-3 * base
     assert lr_at(total, total, base, 0.1) == 0.0
+
+
+def test_plot_draws_the_curves_and_refuses_a_run_without_metrics(tmp_path):
+    from helpers import cli
+    lines = [{"step": s, "loss": 5.0 / s, "tau": 1 + s / 100, "lr": 1e-3, "tokens": 100} for s in range(1, 40)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 40, "loss"')
+    code, out = cli("plot", tmp_path)
+    assert code == 0, out
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out = cli("plot", tmp_path / "nope")
+    assert code == 1 and out.startswith("error: ") and "metrics.jsonl" in out

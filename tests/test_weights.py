@@ -12,8 +12,9 @@ from dflash_staged.config import TargetConfig, load_config
 from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.errors import DflashError
 from dflash_staged.model.tiny import MASK, build_tiny_model, build_tiny_tokenizer, save_tiny_model
-from dflash_staged.model.weights import (check_mask_absent, load_drafter, load_embed_and_head, read_drafter_config,
-                                   save_drafter, validate_mask_token)
+from dflash_staged.model.target_weights import load_embed_and_head
+from dflash_staged.model.weights import (check_mask_absent, load_drafter, read_drafter_config, save_drafter,
+                                         validate_mask_token)
 
 
 

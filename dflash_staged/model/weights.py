@@ -1,4 +1,4 @@
-"""Drafter checkpoints in the reference DFlash format, and the target's frozen embedding/head.
+"""Drafter checkpoints in the reference DFlash format, and the drafter's mask token.
 
 Contract:
 
@@ -16,12 +16,8 @@ Contract:
   so ``AutoModel(..., trust_remote_code=True)`` needs that file copied in.
 * :func:`save_drafter` writes it with :func:`dflash_staged.fsutil.atomic_dir`: an existing
   checkpoint of the same name is replaced only after the new one is complete.
-* :func:`load_embed_and_head` reads only the two target tensors (``[V, H]`` each):
-  from the safetensors files of a local directory or a hub repo (only the needed
-  shard files are downloaded; ``HF_HUB_OFFLINE`` is honoured), from a GGUF file
-  (dequantised), or from a tiny target built in code. Tied embeddings (no LM head
-  tensor, or ``tie_word_embeddings``) give the embedding for both. Multimodal
-  Qwen3.5 checkpoints keep the text weights under ``model.language_model.*``.
+* The target's frozen embedding and LM head are read by
+  :func:`dflash_staged.model.target_weights.load_embed_and_head`.
 """
 
 from __future__ import annotations
@@ -40,11 +36,6 @@ from dflash_staged.fsutil import atomic_dir
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-               "language_model.model.embed_tokens.weight", "model.text_model.embed_tokens.weight",
-               "embed_tokens.weight", "transformer.wte.weight")
-HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight",
-              "model.lm_head.weight")
 
 
 # -- drafter checkpoints ---------------------------------------------------------------------------
@@ -127,130 +118,6 @@ def load_drafter(dir: str | Path, embed_weight: torch.Tensor, lm_head_weight: to
     for p in drafter.parameters():
         p.data = p.data.to(target_dtype)
     return drafter.to(device)
-
-
-# -- the target's embedding and LM head ------------------------------------------------------------
-def _tied(config: dict) -> bool:
-    text = config.get("text_config") or {}
-    if "tie_word_embeddings" in text:
-        return bool(text["tie_word_embeddings"])
-    return bool(config.get("tie_word_embeddings", False))
-
-
-def _pick(names: list[str], candidates: tuple[str, ...]) -> str | None:
-    have = set(names)
-    return next((c for c in candidates if c in have), None)
-
-
-def _select(keys: list[str], config: dict, where: str) -> tuple[str, str]:
-    embed = _pick(keys, EMBED_NAMES)
-    if embed is None:
-        raise DflashError(f"{where}: no embedding tensor (looked for {', '.join(EMBED_NAMES[:3])}, ...); "
-                          "is this a causal LM checkpoint?")
-    head = None if _tied(config) else _pick(keys, HEAD_NAMES)
-    return embed, head or embed
-
-
-def _read_tensors(files: dict[str, Path], names: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-    out = {}
-    for name in names:
-        with safe_open(str(files[name]), framework="pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
-
-
-def _from_safetensors_dir(dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    from safetensors import safe_open
-    config = json.loads((dir / CONFIG_NAME).read_text()) if (dir / CONFIG_NAME).exists() else {}
-    index = dir / INDEX_NAME
-    if index.exists():
-        files = {k: dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    else:
-        files = {}
-        for f in sorted(dir.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                files.update({k: f for k in h.keys()})
-        if not files:
-            raise DflashError(f"{dir}: no safetensors weights; the target must be stored as safetensors "
-                              "(or set target.gguf_file)")
-    embed, head = _select(list(files), config, str(dir))
-    t = _read_tensors(files, {embed, head})
-    return t[embed], t[head]
-
-
-def _from_hub(repo: str, revision: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    def get(fname: str) -> Path:
-        return Path(hf_hub_download(repo, fname, revision=revision))
-
-    try:
-        config = json.loads(get(CONFIG_NAME).read_text())
-        try:
-            weight_map = json.loads(get(INDEX_NAME).read_text())["weight_map"]
-        except EntryNotFoundError:
-            weight_map = None
-        if weight_map is None:
-            path = get(WEIGHTS_NAME)
-            return _from_safetensors_dir(path.parent)
-        embed, head = _select(list(weight_map), config, repo)
-        files = {n: get(weight_map[n]) for n in {embed, head}}
-    except DflashError:
-        raise
-    except Exception as e:
-        raise DflashError(f"target.model={repo!r}: cannot fetch the embedding/LM head files ({e}); check the "
-                          "hub id, the network, or unset HF_HUB_OFFLINE to allow downloads") from None
-    t = _read_tensors(files, {embed, head})
-    return t[embed], t[head]
-
-
-def _from_gguf(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    import numpy as np
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    if "token_embd.weight" not in tensors:
-        raise DflashError(f"{path}: no token_embd.weight tensor; is this a language model GGUF?")
-
-    def load(name: str) -> torch.Tensor:
-        t = tensors[name]
-        arr = dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(
-            [int(n) for n in reversed(t.shape)])
-
-    embed = load("token_embd.weight")
-    return embed, load("output.weight") if "output.weight" in tensors else embed
-
-
-def load_embed_and_head(target_cfg, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and LM head ``[V, H]`` without building the target."""
-    model = target_cfg.model
-    if model.startswith("tiny:"):
-        from dflash_staged.model.tiny import build_tiny_model
-        m = build_tiny_model(model.split(":", 1)[1], seed=target_cfg.seed)
-        embed, head = m.get_input_embeddings().weight.detach(), m.get_output_embeddings().weight.detach()
-    elif target_cfg.gguf_file:
-        path = Path(model) / target_cfg.gguf_file if Path(model).is_dir() else Path(target_cfg.gguf_file)
-        if not path.exists():
-            raise DflashError(f"target.gguf_file={target_cfg.gguf_file!r}: {path} does not exist")
-        embed, head = _from_gguf(path)
-    elif Path(model).is_dir():
-        embed, head = _from_safetensors_dir(Path(model))
-    elif Path(model).exists() or model.startswith((".", "/", "~")):
-        raise DflashError(f"target.model={model!r} is not a model directory; give a directory with config.json "
-                          "and safetensors weights, a hub id, or 'tiny:qwen3'")
-    else:
-        embed, head = _from_hub(model)
-    if embed.shape[1] != head.shape[1]:
-        raise DflashError(f"target.model={model!r}: embedding {tuple(embed.shape)} and LM head "
-                          f"{tuple(head.shape)} disagree on the hidden size")
-    same = head is embed
-    embed = embed.to(device=device, dtype=dtype or embed.dtype)
-    return embed, embed if same else head.to(device=device, dtype=dtype or head.dtype)
 
 
 # -- the mask token --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ the target's frozen embedding and head, and a recorded step order to replay."""
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -72,7 +73,8 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device):
     from dflash_staged.model.dims import target_dims
     from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
     from dflash_staged.model.target import load_tokenizer
-    from dflash_staged.model.weights import load_embed_and_head, validate_mask_token
+    from dflash_staged.model.target_weights import load_embed_and_head
+    from dflash_staged.model.weights import validate_mask_token
     dims = target_dims(cfg.target)
     if store.meta.hidden_size != dims.hidden_size:
         raise DflashError(f"store {store.root} holds hidden size {store.meta.hidden_size} but the target "
@@ -80,10 +82,21 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device):
     embed_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed, head = load_embed_and_head(cfg.target, dtype=embed_dtype, device=device)
     mask_id = validate_mask_token(cfg.drafter.mask_token_id, load_tokenizer(cfg.target), dims.vocab_size)
+    from_target = cfg.drafter.init == "target_top"
+    if from_target and not cfg.drafter.intermediate_size:  # the target's MLP width, so it can be copied
+        from dflash_staged.model.dims import target_text_config
+        cfg = copy.deepcopy(cfg)
+        cfg.drafter.intermediate_size = int(getattr(target_text_config(cfg.target), "intermediate_size", 0) or 0)
     dcfg = DraftModelConfig.from_config(cfg, dims.hidden_size, dims.vocab_size, dims.num_layers,
                                         list(store.meta.layer_ids), mask_id)
     torch.manual_seed(cfg.train.seed)
-    return DFlashDrafter(dcfg, embed, head).to(device)
+    drafter = DFlashDrafter(dcfg, embed, head)
+    if from_target:
+        from dflash_staged.model.init import init_from_target
+        copied = init_from_target(drafter, cfg.target)
+        print(f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
+              file=sys.stderr, flush=True)
+    return drafter.to(device)
 
 
 def load_order(path: Path) -> dict[int, list[int]]:

@@ -12,6 +12,7 @@ checkpoints (:mod:`dflash_staged.train.checkpoint`, whose docstring is the forma
 from __future__ import annotations
 
 import base64
+import sys
 import time
 from dataclasses import dataclass
 
@@ -89,6 +90,8 @@ class Trainer:
         self.ledger.checkpoint_done(self.step)
 
     def close(self) -> None:
+        if self.dist.rank == 0 and self.step > 0:
+            self._plot()
         self.buffer.close()
         if not self.opts.replay:
             if self.dist.rank == 0:
@@ -97,6 +100,17 @@ class Trainer:
         self.metrics.close()
         self.progress.close()
         self.dist.close()
+
+    def _plot(self) -> None:
+        """RUN_DIR/metrics.png, when matplotlib is installed (best effort: never fails the run)."""
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            return
+        from dflash_staged.train.curves import plot_metrics
+        try:
+            plot_metrics(self.opts.out)
+        except Exception as e:  # noqa: BLE001 - a picture is not worth a failed run
+            print(f"train: no metrics.png ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
 
 def build_trainer(opts: TrainOptions) -> Trainer:
