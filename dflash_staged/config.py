@@ -123,6 +123,8 @@ class DrafterConfig:
 class TrainConfig:
     lr: float = 6e-4
     warmup_ratio: float = 0.04
+    lr_schedule: str = "cosine"  # cosine (to 0) | wsd (warmup, stable, then linear decay to 0)
+    decay_ratio: float = 0.2  # wsd: share of the steps spent decaying
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
@@ -144,6 +146,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"train.lr={self.lr}: must be > 0")
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio={self.warmup_ratio}: use a value in [0, 1)")
+        _check(self.lr_schedule in ("cosine", "wsd"), f"train.lr_schedule={self.lr_schedule!r}: use cosine or wsd")
+        _check(0 < self.decay_ratio <= 1 and self.warmup_ratio + self.decay_ratio <= 1,
+               f"train.decay_ratio={self.decay_ratio}: use a value in (0, 1 - warmup_ratio]")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                f"train.betas={self.betas}: give two values in [0, 1)")
         _check(self.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")

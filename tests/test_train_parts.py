@@ -268,6 +268,9 @@ def test_lr_schedule_warms_up_peaks_and_decays_to_zero():
     assert lrs[:10] == sorted(lrs[:10]) and math.isclose(lrs[9], base)
     assert lrs[10:] == sorted(lrs[10:], reverse=True) and lrs[-1] < 1e-3 * base
     assert lr_at(total, total, base, 0.1) == 0.0
+    wsd = [lr_at(s, total, base, 0.1, "wsd", 0.2) for s in range(total)]
+    assert wsd[:10] == lrs[:10] and set(wsd[10:80]) == {base}  # warmup, then stable
+    assert wsd[80:] == sorted(wsd[80:], reverse=True) and 0 < wsd[-1] <= base / 20
 
 
 def test_plot_draws_the_curves_and_refuses_a_run_without_metrics(tmp_path):

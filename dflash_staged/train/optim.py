@@ -10,11 +10,17 @@ import torch
 from dflash_staged.config import TrainConfig
 
 
-def lr_at(step: int, total: int, base: float, warmup_ratio: float) -> float:
-    """Linear warmup then cosine decay to zero; ``step`` counts completed steps (0-based)."""
+def lr_at(step: int, total: int, base: float, warmup_ratio: float, schedule: str = "cosine",
+          decay_ratio: float = 0.2) -> float:
+    """The learning rate of step ``step`` (completed steps, 0-based) of ``total``: linear warmup over
+    ``warmup_ratio`` of the steps, then ``cosine`` decay to zero, or ``wsd``: stable at ``base``, then
+    a linear decay to zero over the last ``decay_ratio`` of the steps."""
     warm = max(1, int(round(warmup_ratio * total)))
     if step < warm:
         return base * (step + 1) / warm
+    if schedule == "wsd":
+        decay = max(1, int(round(decay_ratio * total)))
+        return base * min(1.0, max(0.0, (total - step) / decay))
     progress = min(1.0, (step - warm) / max(1, total - warm))
     return base * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -29,7 +35,7 @@ class Optimizer:
                                      weight_decay=t.weight_decay, eps=1e-8)
 
     def lr(self, step: int, total_steps: int) -> float:
-        return lr_at(step, total_steps, self.t.lr, self.t.warmup_ratio)
+        return lr_at(step, total_steps, self.t.lr, self.t.warmup_ratio, self.t.lr_schedule, self.t.decay_ratio)
 
     def step(self, lr: float) -> None:
         """Sum the gradients over ranks, clip, apply at ``lr``, zero them."""

@@ -1,0 +1,143 @@
+"""The demo's recipe by measurement: replay the kept store at a fixed wall-clock budget per setting,
+then held-out tau for each.
+
+For every setting of the grid (``--set`` overrides of ``train`` / ``drafter``, e.g. anchors per
+sequence, gamma, the learning rate and its schedule, the initialisation), it
+
+1. measures the replay's step time with that setting (a short probe run),
+2. replays ``budget / step time`` steps (``--max-steps N --total-steps N``: the schedule fits the
+   budget), on the same kept shards (``runs/demo`` after ``./bin/demo``, or ``--manifest/--store``),
+3. runs ``dflash eval`` on the first ``--eval-prompts`` held-out prompts.
+
+It writes ``OUT.json`` (one record per setting: overrides, steps, seconds, tau, per-position
+acceptance) and ``OUT.png`` (tau per setting), and prints a table. All settings run in one
+process tree on the same machine one after the other, so their taus compare; on a shared machine
+the step times (and so the steps each budget buys) are noisy: say so next to the figures.
+
+    .venv/bin/python bench/demo_sweep.py --budget-s 120 --eval-prompts 16 [--grid grid.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_GRID = [
+    {},
+    {"drafter.init": "target_top"},
+    {"drafter.init": "target_top", "train.gamma": 4.0},
+    {"drafter.init": "target_top", "train.gamma": 4.0, "train.num_anchors": 24},
+    {"drafter.init": "target_top", "train.gamma": 4.0, "train.num_anchors": 24, "train.lr_schedule": "wsd"},
+    {"drafter.init": "target_top", "train.gamma": 4.0, "train.num_anchors": 24, "train.lr": 2e-3},
+]
+
+
+def dflash(*args, env: dict | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def sets(overrides: dict) -> list[str]:
+    return [x for k, v in overrides.items() for x in ("--set", f"{k}={json.dumps(v)}")]
+
+
+def step_seconds(metrics: Path) -> float:
+    times = [json.loads(x)["step_s"] for x in metrics.read_text().splitlines()][2:]  # warm steps only
+    return statistics.median(times)
+
+
+def run_point(i: int, overrides: dict, a, work: Path) -> dict:
+    base = ["train", "--replay", "--manifest", a.manifest, "--store", a.store, "--device", "cpu",
+            "--passes", a.max_passes, *sets(overrides)]
+    env = {"OMP_NUM_THREADS": str(a.threads)}
+    probe = work / f"probe{i}"
+    r = dflash(*base, "--out", probe, "--max-steps", a.probe_steps, "--set", "train.checkpoint_every=100000", env=env)
+    if r.returncode:
+        raise SystemExit(f"setting {overrides}: the probe failed:\n{r.stderr[-2000:]}")
+    step_s = step_seconds(probe / "metrics.jsonl")
+    steps = max(a.probe_steps, int(a.budget_s / step_s))
+    run = work / f"run{i}"
+    t0 = time.perf_counter()
+    r = dflash(*base, "--out", run, "--max-steps", steps, "--total-steps", steps,
+               "--set", f"train.warmup_ratio={min(0.3, 30 / steps):.4f}", "--set", "train.checkpoint_every=100000",
+               env=env)
+    train_s = time.perf_counter() - t0
+    if r.returncode:
+        raise SystemExit(f"setting {overrides}: the replay failed:\n{r.stderr[-2000:]}")
+    done = len((run / "metrics.jsonl").read_text().splitlines())
+    r = dflash("eval", "--drafter", run, "--target", a.config, "--prompts", a.prompts, "--limit", a.eval_prompts,
+               "--max-new-tokens", a.max_new_tokens, "--device", "cpu", "--no-baseline", "--json", env=env)
+    if r.returncode:
+        raise SystemExit(f"setting {overrides}: eval failed:\n{r.stderr[-2000:]}")
+    ev = json.loads(r.stdout)
+    last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-10:]
+    return {"overrides": overrides, "probe_step_s": round(step_s, 3), "steps": done, "train_s": round(train_s, 1),
+            "tau": ev["tau"], "tau_per_prompt_mean": ev.get("tau_per_prompt_mean"),
+            "per_position_acceptance": ev["per_position_acceptance"][:4],
+            "train_loss_end": round(statistics.mean(x["loss"] for x in last if x["loss"] is not None), 3),
+            "train_tau_end": round(statistics.mean(x["tau"] for x in last if x["tau"] is not None), 3)}
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [", ".join(f"{k.split('.')[-1]}={v}" for k, v in r["overrides"].items()) or "as configured"
+              for r in results]
+    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(results)))
+    ax.barh(range(len(results)), [r["tau"] for r in results], color="tab:blue")
+    ax.set_yticks(range(len(results)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(1.0, max(r["tau"] for r in results) * 1.05)
+    ax.set_xlabel("held-out tau (tokens per verify step)")
+    for y, r in enumerate(results):
+        ax.text(r["tau"], y, f" {r['tau']:.3f} ({r['steps']} steps)", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--demo-dir", type=Path, default=ROOT / "runs" / "demo", help="holds manifest/ and store/")
+    ap.add_argument("--manifest", type=Path, default=None)
+    ap.add_argument("--store", type=Path, default=None)
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-demo.toml")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "demo" / "data" / "heldout.jsonl")
+    ap.add_argument("--grid", type=Path, default=None, help="JSON list of {section.key: value} override sets")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="training wall-clock per setting")
+    ap.add_argument("--probe-steps", type=int, default=8)
+    ap.add_argument("--max-passes", type=int, default=60)
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "demo_sweep")
+    a = ap.parse_args()
+    a.manifest, a.store = a.manifest or a.demo_dir / "manifest", a.store or a.demo_dir / "store"
+    for k in ("manifest", "store", "config", "prompts", "out"):  # the commands run from the repository root
+        setattr(a, k, getattr(a, k).resolve())
+    grid = json.loads(a.grid.read_text()) if a.grid else DEFAULT_GRID
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="demo-sweep-") as work:
+        for i, overrides in enumerate(grid):
+            rec = run_point(i, overrides, a, Path(work))
+            results.append(rec)
+            print(f"{rec['tau']:.3f}  {rec['steps']:>5} steps  {rec['train_s']:>6.0f} s  "
+                  f"acc {' '.join(f'{x:.2f}' for x in rec['per_position_acceptance'])}  {overrides}", flush=True)
+            a.out.with_suffix(".json").write_text(json.dumps({"budget_s": a.budget_s, "results": results}, indent=1))
+    plot(results, a.out.with_suffix(".png"))
+    print(f"wrote {a.out.with_suffix('.json')} and {a.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
