@@ -162,15 +162,20 @@ def without_option(args: list[str], name: str) -> list[str]:
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="Write a PNG: accepted-length histogram and per-position acceptance.")
 @click.option("--out", "out_path", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
+@click.option("--chat-template-kwargs", "chat_kwargs", default=None, metavar="JSON",
+              help="Update the chat template's options recorded at training, e.g. '{\"enable_thinking\": true}'.")
+@click.option("--chat-template", "chat_template", type=click.Path(path_type=Path), default=None,
+              help="A Jinja chat template file replacing the recorded (or the tokenizer's) template.")
 @user_errors
 def eval_cmd(drafter_path, target_spec, prompts_path, max_new_tokens, limit, device, no_baseline, as_json,
-             plot_path, out_path):
+             plot_path, out_path, chat_kwargs, chat_template):
     """Greedy speculative decoding with the target: acceptance length tau, tokens/s vs plain greedy."""
     import json
     from dflash_staged.evaluate.report import format_report, run_eval
     from dflash_staged.fsutil import write_json_atomic
+    kwargs = parse_json_object(chat_kwargs, "--chat-template-kwargs")
     report = run_eval(drafter_path, target_spec, prompts_path, max_new_tokens, device=device, limit=limit,
-                      baseline=not no_baseline)
+                      baseline=not no_baseline, chat_template_kwargs=kwargs, chat_template=chat_template)
     if plot_path:
         from dflash_staged.evaluate.plot import plot_eval
         report["plot"] = str(plot_eval(report, plot_path))
@@ -194,6 +199,21 @@ def parse_sets(sets) -> dict:
             parsed = value.strip()
         out.setdefault(section, {})[name] = parsed
     return out
+
+
+def parse_json_object(text: str | None, flag: str) -> dict | None:
+    """``'{"enable_thinking": true}'`` -> a dict (None stays None)."""
+    import json
+    if text is None:
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DflashError(f"{flag} {text!r}: not JSON ({e.msg}); give an object, e.g. "
+                          "'{\"enable_thinking\": false}'") from None
+    if not isinstance(obj, dict):
+        raise DflashError(f"{flag} {text!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return obj
 
 
 def parse_size(text: str) -> int:
