@@ -1,4 +1,4 @@
-"""The ``dflash`` command line: plan, status, extract, train, eval.
+"""The ``dflash`` command line: plan, data show, status, extract, train, eval.
 
 Each command is a thin wrapper; the work lives in the module named after it.
 User errors (:class:`dflash_staged.errors.DflashError`) print one clean line and exit 1.
@@ -25,17 +25,47 @@ def main() -> None:
 
 @main.command("plan")
 @click.option("--config", "config_path", required=True, help="Config TOML, e.g. configs/tiny.toml.")
-@click.option("--data", "data_path", required=True, help="JSONL data: input_ids/loss_mask or messages per line.")
+@click.option("--data", "data_path", required=True,
+              help="JSONL (input_ids/loss_mask, messages or conversations), parquet, or a saved dataset directory.")
 @click.option("--manifest", "manifest_dir", default=None, help="Manifest directory [default: manifests/<config stem>].")
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True, help="Epochs to plan.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the job order.")
-@click.option("--skip-bad", is_flag=True, help="Count and skip bad lines instead of stopping at the first.")
+@click.option("--skip-bad", is_flag=True, help="Count and skip bad records instead of stopping at the first.")
 @user_errors
 def plan_cmd(config_path, data_path, manifest_dir, epochs, seed, skip_bad):
     """Tokenise the data, bucket and batch it, and write the job manifest."""
     from dflash_staged.plan.command import plan_manifest
     click.echo(plan_manifest(config_path, data_path, manifest_dir, epochs=epochs, seed=seed, skip_bad=skip_bad,
                              progress=True))
+
+
+@main.group("data")
+def data_group() -> None:
+    """Look at training data the way `dflash plan` reads it."""
+
+
+@data_group.command("show")
+@click.option("--config", "config_path", required=True, help="Config TOML: the tokenizer, chat template and [data].")
+@click.option("--data", "data_path", required=True, help="The data, as for `dflash plan --data`.")
+@click.option("-n", "--num", type=click.IntRange(min=0), default=3, show_default=True, help="Show the first N samples.")
+@click.option("--line", "--row", "lines", type=click.IntRange(min=1), multiple=True,
+              help="Show the sample of this line (JSONL) or row instead; repeatable.")
+@click.option("--html", "html_path", type=click.Path(path_type=Path), default=None,
+              help="Write an HTML page with the loss tokens highlighted.")
+@click.option("--color/--no-color", default=None, help="Colour the loss tokens [default: when on a terminal].")
+@click.option("--skip-bad", is_flag=True, help="Count and skip bad records instead of stopping at the first.")
+@user_errors
+def data_show(config_path, data_path, num, lines, html_path, color, skip_bad):
+    """Render samples as plan would, mark the tokens that carry the loss, and report loss fraction and lengths."""
+    from dflash_staged.plan.show import format_html, format_text, summary_lines, show_data
+    report = show_data(config_path, data_path, num=num, lines=list(lines), skip_bad=skip_bad, progress=True)
+    if html_path:
+        from dflash_staged.fsutil import atomic_write
+        atomic_write(html_path, format_html(report))
+        click.echo("\n".join(summary_lines(report) + [f"wrote {html_path} ({len(report['samples'])} sample(s))"]))
+        return
+    color = sys.stdout.isatty() if color is None else color
+    click.echo(format_text(report, color), color=color)
 
 
 @main.command("status")
