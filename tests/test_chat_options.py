@@ -68,6 +68,22 @@ def test_enable_thinking_moves_the_empty_think_block_out_of_the_loss(tmp_path):
     assert loss_text(tok, ids_on, mask_on) == EMPTY_THINK + "paris is the answer, the data says so.<|im_end|>"
 
 
+def test_reasoning_data_in_non_thinking_mode_is_flagged(tmp_path):
+    """A reasoning answer rendered in non-thinking mode is not a continuation of the generation prompt."""
+    reasoning = {"conversations": [{"from": "human", "value": "what is the capital of france"},
+                                   {"from": "gpt", "value": "<think>\nrecall it\n</think>\n\nparis, says the data."}]}
+    for thinking, warned in ((False, True), (True, False)):
+        _, code, out = setup_plan(tmp_path, thinking, f"m-{thinking}")
+        assert code == 0 and "warning:" not in out, out
+        data = tmp_path / "chat.jsonl"
+        data.write_text(data.read_text() + json.dumps(reasoning) + "\n")
+        cfg = tmp_path / f"m-{thinking}.toml"
+        code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", tmp_path / f"r-{thinking}")
+        assert code == 0, out
+        assert ("warning: in 1 conversation(s) the last assistant turn does not continue the generation prompt"
+                in out) is warned, out
+
+
 def test_the_template_file_counts_in_the_plan_identity(tmp_path):
     cfg, code, out = setup_plan(tmp_path, False, "m")
     assert code == 0, out

@@ -81,6 +81,13 @@ class ChatOptions:
 
 
 _DEFAULT = ChatOptions()
+
+
+def off_prompt_warning(n: int) -> str:
+    """The warning ``plan`` and ``data show`` print for `n` conversations off their generation prompt."""
+    return (f"warning: in {n:,} conversation(s) the last assistant turn does not continue the generation "
+            "prompt (e.g. reasoning with enable_thinking = false): it is not what the target generates in this mode; "
+            "check the data against [data] chat_template_kwargs (dflash data show marks the loss)")
 _SENTINELS = ("\ue000\ue001", "\ue002\ue003")  # differ at both ends; private-use, never in text
 
 
@@ -110,10 +117,18 @@ def _diff_span(chat: ChatOptions, tok, messages: list[dict], i: int, full: str) 
     return start, max(start, end)
 
 
-def assistant_spans(tok, messages: list[dict], full: str, chat: ChatOptions = _DEFAULT) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in `full` (the rendering of `messages`)."""
+def assistant_spans(tok, messages: list[dict], full: str, chat: ChatOptions = _DEFAULT,
+                    info: dict | None = None) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `full` (the rendering of `messages`).
+
+    ``info["continues_prompt"]`` (when `info` is given) tells whether the last assistant turn
+    renders as a continuation of the generation prompt before it. When it does not (e.g. a
+    reasoning answer with Qwen3's ``enable_thinking=False``, whose prompt ends with an empty
+    think block) the training text is not what the target sees when it generates: a mode mismatch.
+    """
     spans: list[tuple[int, int]] = []
     cursor = 0
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
@@ -124,6 +139,8 @@ def assistant_spans(tok, messages: list[dict], full: str, chat: ChatOptions = _D
                 b = chat.render(tok, messages[: i + 1], False)
             except Exception:  # noqa: BLE001 - some templates refuse odd prefixes; fall back below
                 a = b = ""
+            if i == last and info is not None:
+                info["continues_prompt"] = bool(a) and b.startswith(a)
             if a and b.startswith(a):
                 end = len(a) + len(b[len(a):].rstrip())
                 if full.startswith(b[:end]):
@@ -143,14 +160,17 @@ def assistant_spans(tok, messages: list[dict], full: str, chat: ChatOptions = _D
     return spans
 
 
-def tokenize_messages(tok, messages: list[dict], chat: ChatOptions = _DEFAULT) -> tuple[np.ndarray, np.ndarray]:
-    """Render `messages` with the chat template and options; return (ids, loss mask on assistant turns)."""
+def tokenize_messages(tok, messages: list[dict], chat: ChatOptions = _DEFAULT,
+                      info: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Render `messages` with the chat template and options; return (ids, loss mask on assistant turns).
+
+    `info` receives ``continues_prompt`` (see :func:`assistant_spans`)."""
     chat.check(tok)
     try:
         full = chat.render(tok, messages, False)
     except Exception as e:  # noqa: BLE001 - template errors (e.g. roles must alternate) are data errors
         raise BadRecord("messages", f"the chat template rejected the conversation ({type(e).__name__}: {e})") from None
-    spans = assistant_spans(tok, messages, full, chat)
+    spans = assistant_spans(tok, messages, full, chat, info)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     offs = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)

@@ -58,6 +58,9 @@ def format_plan_summary(samples, plan: Plan, data_path: str, max_len: int, min_l
                  + (f"; truncated to {max_len}: {st['truncated']:,}" if st.get("truncated") else ""))
     for ex in getattr(samples, "bad_examples", [])[:3]:
         lines.append(f"    e.g. {ex}")
+    if st.get("off_prompt"):
+        from dflash_staged.plan.chat import off_prompt_warning
+        lines.append("  " + off_prompt_warning(st["off_prompt"]))
     lows = [1] + [e + 1 for e in plan.edges[:-1]]
     buckets = [f"{a}-{b}: {n}" for a, b, n in zip(lows, plan.edges, plan.bucket_counts())]
     lines.append(f"  buckets (length range: jobs per epoch): {', '.join(buckets)}")

@@ -46,7 +46,8 @@ class Samples:
     loss_mask: np.ndarray  # uint8 [T], 1 = loss on this position
     offsets: np.ndarray  # int64 [N+1]
     lines: np.ndarray  # int64 [N], 1-based source line (JSONL) or row of each sample, numbered on across files
-    # lines (records read), samples, bad, truncated, skipped_long, skipped_short_loss; format (what was read)
+    # lines (records read), samples, bad, truncated, skipped_long, skipped_short_loss; format (what was read);
+    # off_prompt (if any): conversations whose last assistant turn does not continue the generation prompt
     stats: dict = field(default_factory=dict)
     bad_examples: list[str] = field(default_factory=list)  # first few bad-record messages (with skip_bad)
 
@@ -79,8 +80,18 @@ class _Chunks:
             self.cur = []
 
     def array(self) -> np.ndarray:
-        parts = self.done + ([np.concatenate(self.cur)] if self.cur else [])
-        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+        """The whole array. Chunks are copied last first and freed once copied, so the heap shrinks
+        from its top as the result fills (peak: about the result plus one chunk)."""
+        if self.cur:
+            self.done.append(np.concatenate(self.cur))
+            self.cur = []
+        end = sum(len(p) for p in self.done)
+        out = np.empty(end, self.dtype)
+        while self.done:
+            part = self.done.pop()
+            out[end - len(part):end] = part
+            end -= len(part)
+        return out
 
 
 def _format_name(srcs: list[formats.Source], kinds: Counter) -> str:
@@ -144,6 +155,8 @@ def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False, token
     bar.close()
     stats["samples"] = len(lens)
     stats["format"] = _format_name(srcs, kinds)
+    if parse.off_prompt:
+        stats["off_prompt"] = parse.off_prompt
     if not stats["lines"]:
         raise DatasetError(f"{path}: the data file is empty (no lines or rows); give one JSON object per line, "
                            "or a parquet file or saved dataset with rows")

@@ -127,6 +127,7 @@ class RecordParser:
         self.mask_id = cfg.drafter.mask_token_id
         self.chat = chat
         self._tokenizer, self._tok = tokenizer, None
+        self.off_prompt = 0  # conversations whose last assistant turn does not continue the generation prompt
 
     @property
     def tok(self):
@@ -153,9 +154,11 @@ class RecordParser:
         else:
             messages = (parse_messages(obj["messages"]) if kind == "messages"
                         else parse_conversations(obj["conversations"], obj.get("system")))
-            ids, mask = tokenize_messages(self.tok, messages, self.chat)
+            info: dict = {}
+            ids, mask = tokenize_messages(self.tok, messages, self.chat, info)
             if len(ids) == 0:
                 raise BadRecord(kind, "renders to an empty token sequence")
+            self.off_prompt += not info.get("continues_prompt", True)
             where = f"{kind} (tokenised)"
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.vocab:

@@ -76,6 +76,9 @@ def summary_lines(r: dict) -> list[str]:
            "length (tokens): " + ", ".join([f"min {ln['min']}"] + [f"p{p} {ln[f'p{p}']:.0f}" for p in PERCENTILES]
                                           + [f"max {ln['max']}", f"mean {ln['mean']:.1f}"])]
     out += [f"  e.g. {ex}" for ex in r["bad_examples"][:3]]
+    if st.get("off_prompt"):
+        from dflash_staged.plan.chat import off_prompt_warning
+        out.append(off_prompt_warning(st["off_prompt"]))
     if r["not_found"]:
         out.append("not samples (blank, bad or skipped; see the counts above): line/row "
                    + ", ".join(map(str, r["not_found"])))
