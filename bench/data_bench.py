@@ -112,18 +112,18 @@ def main() -> None:
         data.unlink()
     base, whole_base = results[0]["peak_rss_mib"], results[0]["whole_peak_rss_mib"]
     groups = f"{args.row_group:,} rows" if args.row_group else "one per file"
-    print(f"baseline (1,000 rows): peak RSS {base:.0f} MiB (input held whole: {whole_base:.0f} MiB); "
-          f"row groups: {groups}")
+    print(f"baseline (1,000 rows): peak RSS {base:.0f} MiB"
+          + (f" (input held whole: {whole_base:.0f} MiB)" if args.whole else "") + f"; row groups: {groups}")
     print(f"{'rows':>10} {'tokens':>12} {'file MiB':>9} {'arrays MiB':>10} {'peak MiB':>9} {'growth':>8} "
-          f"{'B/token':>8} {'s':>7} {'whole: growth':>14} {'ratio':>6}")
+          f"{'B/token':>8} {'s':>7}" + (f" {'whole: growth':>14} {'ratio':>6}" if args.whole else ""))
     for r in results[1:]:
         r["growth_mib"] = round(r["peak_rss_mib"] - base, 1)
         r["growth_bytes_per_token"] = round(r["growth_mib"] * 2**20 / r["tokens"], 2)
         r["whole_growth_mib"] = round(r["whole_peak_rss_mib"] - whole_base, 1)
-        ratio = r["whole_growth_mib"] / r["growth_mib"] if args.whole and r["growth_mib"] > 0 else float("nan")
+        ratio = r["whole_growth_mib"] / r["growth_mib"] if r["growth_mib"] > 0 else float("nan")
         print(f"{r['rows']:>10,} {r['tokens']:>12,} {r['file_mib']:>9} {r['sample_arrays_mib']:>10} "
-              f"{r['peak_rss_mib']:>9} {r['growth_mib']:>8} {r['growth_bytes_per_token']:>8} {r['seconds']:>7} "
-              f"{r['whole_growth_mib']:>14} {ratio:>6.1f}")
+              f"{r['peak_rss_mib']:>9} {r['growth_mib']:>8} {r['growth_bytes_per_token']:>8} {r['seconds']:>7}"
+              + (f" {r['whole_growth_mib']:>14} {ratio:>6.1f}" if args.whole else ""))
     if len(results) > 2:
         a, b = results[1], results[-1]
         print(f"bytes per token at {b['rows']:,} rows / at {a['rows']:,} rows: "

@@ -146,6 +146,9 @@ def format_report(r: dict) -> str:
              "accepted-length histogram (1..B): " + " ".join(str(x) for x in r["accept_length_histogram"]),
              f"speculative: {r['speculative']['tokens']} tokens in {r['speculative']['seconds']:.1f} s "
              f"({r['speculative']['tokens_per_s']:.1f} tok/s)"]
+    if r.get("chat"):
+        lines.append(f"chat template {r['chat']['template'] or '(the tokenizer template)'} with "
+                     f"{r['chat']['kwargs']}, from {r['chat']['from']}")
     if "greedy" in r:
         g, ll = r["greedy"], r["lossless"]
         lines.append(f"plain greedy: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['tokens_per_s']:.1f} tok/s); "
