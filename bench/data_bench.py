@@ -108,7 +108,8 @@ def main() -> None:
         whole = child_peak(["-c", WHOLE, str(data)])[0] if args.whole else 0.0
         results.append({"rows": rows, "tokens": tokens, "file_mib": round(data.stat().st_size / 2**20, 1),
                         "sample_arrays_mib": round((tokens * 5 + rows * 8) / 2**20, 1),
-                        "peak_rss_mib": round(peak, 1), "seconds": round(secs, 1), "whole_peak_rss_mib": round(whole, 1)})
+                        "peak_rss_mib": round(peak, 1), "seconds": round(secs, 1),
+                        "whole_peak_rss_mib": round(whole, 1)})
         data.unlink()
     base, whole_base = results[0]["peak_rss_mib"], results[0]["whole_peak_rss_mib"]
     groups = f"{args.row_group:,} rows" if args.row_group else "one per file"

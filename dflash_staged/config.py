@@ -69,7 +69,8 @@ class TargetConfig:
 
 # apply_chat_template arguments dflash passes itself; data.chat_template_kwargs may not set them.
 RENDER_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
-               "continue_final_message", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length"}
+               "continue_final_message", "return_dict", "return_tensors", "return_assistant_tokens_mask",
+               "padding", "truncation", "max_length"}
 
 
 @dataclass
@@ -253,7 +254,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:  # a table of JSON values (it is snapshotted as JSON)
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, e.g. {{ key = value }}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected a table, e.g. {{ key = value }}, got "
+                              f"{type(value).__name__} {value!r}")
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as e:
