@@ -1,4 +1,4 @@
-"""The ``dflash`` command line: plan, status, extract, train, eval.
+"""The ``dflash`` command line: plan, data show, status, extract, train, eval.
 
 Each command is a thin wrapper; the work lives in the module named after it.
 User errors (:class:`dflash_staged.errors.DflashError`) print one clean line and exit 1.
@@ -25,17 +25,47 @@ def main() -> None:
 
 @main.command("plan")
 @click.option("--config", "config_path", required=True, help="Config TOML, e.g. configs/tiny.toml.")
-@click.option("--data", "data_path", required=True, help="JSONL data: input_ids/loss_mask or messages per line.")
+@click.option("--data", "data_path", required=True,
+              help="JSONL (input_ids/loss_mask, messages or conversations), parquet, or a saved dataset directory.")
 @click.option("--manifest", "manifest_dir", default=None, help="Manifest directory [default: manifests/<config stem>].")
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True, help="Epochs to plan.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the job order.")
-@click.option("--skip-bad", is_flag=True, help="Count and skip bad lines instead of stopping at the first.")
+@click.option("--skip-bad", is_flag=True, help="Count and skip bad records instead of stopping at the first.")
 @user_errors
 def plan_cmd(config_path, data_path, manifest_dir, epochs, seed, skip_bad):
     """Tokenise the data, bucket and batch it, and write the job manifest."""
     from dflash_staged.plan.command import plan_manifest
     click.echo(plan_manifest(config_path, data_path, manifest_dir, epochs=epochs, seed=seed, skip_bad=skip_bad,
                              progress=True))
+
+
+@main.group("data")
+def data_group() -> None:
+    """Look at training data the way `dflash plan` reads it."""
+
+
+@data_group.command("show")
+@click.option("--config", "config_path", required=True, help="Config TOML: the tokenizer, chat template and [data].")
+@click.option("--data", "data_path", required=True, help="The data, as for `dflash plan --data`.")
+@click.option("-n", "--num", type=click.IntRange(min=0), default=3, show_default=True, help="Show the first N samples.")
+@click.option("--line", "--row", "lines", type=click.IntRange(min=1), multiple=True,
+              help="Show the sample of this line (JSONL) or row instead; repeatable.")
+@click.option("--html", "html_path", type=click.Path(path_type=Path), default=None,
+              help="Write an HTML page with the loss tokens highlighted.")
+@click.option("--color/--no-color", default=None, help="Colour the loss tokens [default: when on a terminal].")
+@click.option("--skip-bad", is_flag=True, help="Count and skip bad records instead of stopping at the first.")
+@user_errors
+def data_show(config_path, data_path, num, lines, html_path, color, skip_bad):
+    """Render samples as plan would, mark the tokens that carry the loss, and report loss fraction and lengths."""
+    from dflash_staged.plan.show import format_html, format_text, summary_lines, show_data
+    report = show_data(config_path, data_path, num=num, lines=list(lines), skip_bad=skip_bad, progress=True)
+    if html_path:
+        from dflash_staged.fsutil import atomic_write
+        atomic_write(html_path, format_html(report))
+        click.echo("\n".join(summary_lines(report) + [f"wrote {html_path} ({len(report['samples'])} sample(s))"]))
+        return
+    color = sys.stdout.isatty() if color is None else color
+    click.echo(format_text(report, color), color=color)
 
 
 @main.command("status")
@@ -162,15 +192,20 @@ def without_option(args: list[str], name: str) -> list[str]:
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="Write a PNG: accepted-length histogram and per-position acceptance.")
 @click.option("--out", "out_path", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
+@click.option("--chat-template-kwargs", "chat_kwargs", default=None, metavar="JSON",
+              help="Update the chat template's options recorded at training, e.g. '{\"enable_thinking\": true}'.")
+@click.option("--chat-template", "chat_template", type=click.Path(path_type=Path), default=None,
+              help="A Jinja chat template file replacing the recorded (or the tokenizer's) template.")
 @user_errors
 def eval_cmd(drafter_path, target_spec, prompts_path, max_new_tokens, limit, device, no_baseline, as_json,
-             plot_path, out_path):
+             plot_path, out_path, chat_kwargs, chat_template):
     """Greedy speculative decoding with the target: acceptance length tau, tokens/s vs plain greedy."""
     import json
     from dflash_staged.evaluate.report import format_report, run_eval
     from dflash_staged.fsutil import write_json_atomic
+    kwargs = parse_json_object(chat_kwargs, "--chat-template-kwargs")
     report = run_eval(drafter_path, target_spec, prompts_path, max_new_tokens, device=device, limit=limit,
-                      baseline=not no_baseline)
+                      baseline=not no_baseline, chat_template_kwargs=kwargs, chat_template=chat_template)
     if plot_path:
         from dflash_staged.evaluate.plot import plot_eval
         report["plot"] = str(plot_eval(report, plot_path))
@@ -193,26 +228,26 @@ def eval_cmd(drafter_path, target_spec, prompts_path, max_new_tokens, limit, dev
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the sampling.")
-@click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
-              help='Options of the chat template, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--chat-template-kwargs", "chat_kwargs", default=None, metavar="JSON",
+              help="Options of the chat template, e.g. '{\"enable_thinking\": false}' (over a TOML target's [data]).")
+@click.option("--chat-template", "chat_template", type=click.Path(path_type=Path), default=None,
+              help="A Jinja chat template file replacing the tokenizer's (or the TOML's [data] one).")
 @user_errors
 def regenerate(prompts_path, target_spec, out_path, devices, max_new_tokens, temperature, top_p, batch_size, seed,
-               template_kwargs):
-    """Answer every conversation with the target itself: the data DFlash trains on (resumable)."""
-    import json
-    from dflash_staged.config import target_from_spec
+               chat_kwargs, chat_template):
+    """Answer every conversation with the target itself: the data DFlash trains on (resumable).
+
+    With a config TOML as --target, its [data] chat options apply, so the answers are rendered the
+    way `dflash plan` will render them."""
+    from dflash_staged.config import load_config, target_from_spec
     from dflash_staged.extract.options import parse_devices
+    from dflash_staged.plan.chat import ChatOptions
     from dflash_staged.regenerate.command import run_regenerate
     from dflash_staged.regenerate.worker import GenOptions
-    try:
-        kwargs = json.loads(template_kwargs) if template_kwargs else {}
-    except json.JSONDecodeError as e:
-        raise DflashError(f"--chat-template-kwargs: not JSON ({e.msg}); give e.g. '{{\"enable_thinking\": false}}'") from None
-    if not isinstance(kwargs, dict):
-        raise DflashError("--chat-template-kwargs: give a JSON object, e.g. '{\"enable_thinking\": false}'")
+    chat = ChatOptions.from_config(load_config(target_spec).data) if target_spec.endswith(".toml") else ChatOptions()
+    chat.override(parse_json_object(chat_kwargs, "--chat-template-kwargs"), chat_template)
     o = GenOptions(target=target_from_spec(target_spec), out=out_path, devices=parse_devices(devices),
-                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                   chat_template_kwargs=kwargs)
+                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, chat=chat)
     run_regenerate(prompts_path, o, batch_size=batch_size)
 
 
@@ -242,6 +277,21 @@ def parse_sets(sets) -> dict:
             parsed = value.strip()
         out.setdefault(section, {})[name] = parsed
     return out
+
+
+def parse_json_object(text: str | None, flag: str) -> dict | None:
+    """``'{"enable_thinking": true}'`` -> a dict (None stays None)."""
+    import json
+    if text is None:
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DflashError(f"{flag} {text!r}: not JSON ({e.msg}); give an object, e.g. "
+                          "'{\"enable_thinking\": false}'") from None
+    if not isinstance(obj, dict):
+        raise DflashError(f"{flag} {text!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return obj
 
 
 def parse_size(text: str) -> int:

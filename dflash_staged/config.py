@@ -67,6 +67,12 @@ class TargetConfig:
                f"target.target_layer_ids={self.target_layer_ids}: remove the duplicate ids")
 
 
+# apply_chat_template arguments dflash passes itself; data.chat_template_kwargs may not set them.
+RENDER_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
+               "continue_final_message", "return_dict", "return_tensors", "return_assistant_tokens_mask",
+               "padding", "truncation", "max_length"}
+
+
 @dataclass
 class DataConfig:
     max_len: int = 2048
@@ -75,8 +81,17 @@ class DataConfig:
     num_buckets: int = 8  # used when bucket_edges is empty
     token_budget: int = 16384  # batch_size x longest <= token_budget
     min_loss_tokens: int = 0  # 0 = 2 x drafter.block_size
+    # Chat rendering of messages / conversations records (and of `dflash eval` prompts): keyword
+    # arguments for the chat template, e.g. { enable_thinking = false } (Qwen3 non-thinking mode);
+    # and a Jinja file replacing the tokenizer's template (relative to the working directory, as
+    # target.model; its text is recorded in the manifest and counts in the plan's identity).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
+        taken = sorted(set(self.chat_template_kwargs) & RENDER_ARGS)
+        _check(not taken, f"data.chat_template_kwargs.{taken[0] if taken else ''}: dflash sets this argument of "
+                          "apply_chat_template itself; remove it (use data.chat_template for the template)")
         _check(self.max_len >= 2, f"data.max_len={self.max_len}: must be >= 2")
         _check(self.overlength in ("truncate", "skip"),
                f"data.overlength={self.overlength!r}: use 'truncate' or 'skip'")
@@ -233,6 +248,8 @@ def _type_name(tp: Any) -> str:
     if origin is list:
         (arg,) = typing.get_args(tp)
         return f"list of {_type_name(arg)}"
+    if origin is dict:
+        return "table"
     return {int: "integer", float: "number", str: "string", bool: "boolean"}.get(tp, str(tp))
 
 
@@ -244,6 +261,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
         return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # a table of JSON values (it is snapshotted as JSON)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, e.g. {{ key = value }}, got "
+                              f"{type(value).__name__} {value!r}")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}; use strings, numbers, booleans, arrays and tables") from None
+        return value
     if tp is bool:
         ok = isinstance(value, bool)
     elif tp is int:

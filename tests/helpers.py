@@ -37,9 +37,16 @@ def write_config(path: Path, extra: str = "", base: Path = TINY) -> Path:
     lines = []
     for section, kv in cfg.items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in kv.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in kv.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def toml_value(v) -> str:
+    """A TOML value: JSON's spelling, except tables (inline: { k = v, ... })."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
+    return json.dumps(v)
 
 
 def cli(*args) -> tuple[int, str]:

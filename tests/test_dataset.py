@@ -42,7 +42,8 @@ def test_pretokenised_roundtrip_and_hash(tmp_path, monkeypatch):
     ids, mask = s.sample(0)
     assert ids.tolist() == [4, 5, 6] and mask.tolist() == [0, 1, 1]
     assert s.tokens.dtype == np.int32 and s.loss_mask.dtype == np.uint8 and s.offsets.dtype == np.int64
-    assert s.stats == dict(lines=2, samples=2, bad=0, truncated=0, skipped_long=0, skipped_short_loss=0)
+    assert s.stats == dict(lines=2, samples=2, bad=0, truncated=0, skipped_long=0, skipped_short_loss=0,
+                           format="JSONL, 2 token ids")
 
 
 def test_overlength_truncate_and_skip_and_short_loss(tmp_path):

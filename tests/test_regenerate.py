@@ -38,6 +38,16 @@ def lines(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def test_sharegpt_conversations_are_answered_as_messages(tmp_path):
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"system": "be brief", "conversations": [{"from": "human", "value": "hi"},
+                                                                           {"from": "gpt", "value": "old"}]}) + "\n")
+    code, text = regen("--prompts", prompts, "--out", out)
+    assert code == 0, text
+    (rec,) = lines(out)
+    assert [m["role"] for m in rec["messages"]] == ["system", "user", "assistant"] and "old" not in out.read_text()
+
+
 def test_answers_every_user_turn_and_the_output_plans(tmp_path):
     prompts, out = write_prompts(tmp_path / "p.jsonl"), tmp_path / "out.jsonl"
     code, text = regen("--prompts", prompts, "--out", out, "--batch-size", 2)
@@ -68,11 +78,12 @@ def test_sampling_is_seeded(tmp_path):
 
 
 @pytest.mark.parametrize("line,field", [
-    ('{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role: unknown role 'wizard'"),
-    ('{"messages": [{"role": "system", "content": "x"}]}', "messages: no user turn"),
-    ('{"messages": [{"role": "user"}]}', "messages[0]: expected an object with a string content"),
-    ('{"prompt": "x"}', "messages: missing field"),
-    ('{"messages": [', "(line): malformed JSON"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', "field messages[0].role: unknown role 'wizard'"),
+    ('{"messages": [{"role": "system", "content": "x"}]}', "field messages: no user turn"),
+    ('{"messages": [{"role": "user"}]}', "field messages[0].content: missing field"),
+    ('{"conversations": [{"from": "robot", "value": "x"}]}', "field conversations[0].from: unknown role 'robot'"),
+    ('{"prompt": "x"}', "field messages: missing field"),
+    ('{"messages": [', "field (line): malformed JSON"),
 ])
 def test_bad_lines_are_refused_before_anything_runs(tmp_path, line, field):
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
@@ -112,3 +123,20 @@ def test_kill9_midway_then_rerun_gives_each_answer_once_and_the_same_text(tmp_pa
     got = lines(out)
     assert [r["regenerated"]["line"] for r in got] == list(range(1, 25))  # each line once, in order
     assert got == lines(ref)  # greedy: the resumed run says exactly what the uninterrupted one said
+
+
+def test_chat_template_and_its_options_shape_the_prompt(tmp_path):
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if shout %}{{ m['content'] | upper }}"
+                   "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    answers = []
+    for name, extra in (("a", []), ("b", ["--chat-template-kwargs", '{"shout": false}']),
+                        ("c", ["--chat-template-kwargs", '{"shout": true}'])):
+        code, text = regen("--prompts", prompts, "--out", tmp_path / name, "--chat-template", tpl, *extra)
+        assert code == 0, text
+        answers.append([r["messages"][-1]["content"] for r in lines(tmp_path / name)])
+    assert answers[0] == answers[1] != answers[2]
+    code, text = regen("--prompts", prompts, "--out", tmp_path / "d", "--chat-template-kwargs", '{"tokenize": true}')
+    assert code == 1 and "dflash sets 'tokenize' itself" in text

@@ -3,6 +3,13 @@
 A ``{"messages": [...]}`` line is rendered with the target's chat template and the generation
 prompt, after dropping trailing assistant turns (a reference answer); an ``{"input_ids": [...]}``
 line is used as it is. Bad lines are errors naming ``file:line`` and the field.
+
+The chat template's options (:class:`~dflash_staged.plan.chat.ChatOptions`) are those the
+training data was rendered with, so training and evaluation render alike
+(:func:`chat_options`): the ``chat`` record in the drafter checkpoint's ``trainer_state.json``
+(copied there from the manifest); for a checkpoint without one, the ``[data]`` section of
+``--target`` when that is a config TOML; else none. ``--chat-template-kwargs`` updates the
+keyword arguments key by key and ``--chat-template`` replaces the template.
 """
 
 from __future__ import annotations
@@ -10,7 +17,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_staged.config import load_config
 from dflash_staged.errors import DflashError
+from dflash_staged.plan.chat import ChatOptions
+
+
+def chat_options(ckpt: Path, target_spec: str, kwargs: dict | None = None,
+                 template: str | Path | None = None) -> tuple[ChatOptions, str]:
+    """(the options prompts are rendered with, where they came from); see the module docstring."""
+    state = Path(ckpt) / "trainer_state.json"
+    try:
+        rec = json.loads(state.read_text()).get("chat") if state.is_file() else None
+    except (OSError, ValueError) as e:
+        raise DflashError(f"{state}: cannot read the checkpoint's trainer state ({e}); give a complete "
+                          "checkpoint") from None
+    if rec is not None:
+        chat, source = ChatOptions.from_record(rec), f"recorded in {state}"
+    elif target_spec.endswith(".toml"):
+        chat, source = ChatOptions.from_config(load_config(target_spec).data), f"[data] of {target_spec}"
+    else:
+        chat, source = ChatOptions(), "the tokenizer's defaults"
+    return chat, source + chat.override(kwargs, template)
 
 
 def _prompt_error(path, line: int, field: str, msg: str) -> DflashError:
@@ -18,10 +45,12 @@ def _prompt_error(path, line: int, field: str, msg: str) -> DflashError:
                        "{\"input_ids\": [...]}")
 
 
-def load_prompts(path: str | Path, tokenizer_fn, vocab_size: int, limit: int | None = None) -> list[tuple[int, list[int]]]:
-    """``[(line number, prompt ids)]``. ``messages`` lines are rendered with the chat template and
-    the generation prompt, after dropping trailing assistant turns (a reference answer);
-    ``tokenizer_fn()`` is called once, only if such a line exists."""
+def load_prompts(path: str | Path, tokenizer_fn, vocab_size: int, limit: int | None = None,
+                 chat: ChatOptions | None = None) -> list[tuple[int, list[int]]]:
+    """``[(line number, prompt ids)]``. ``messages`` lines are rendered with the chat template,
+    `chat`'s options and the generation prompt, after dropping trailing assistant turns (a
+    reference answer); ``tokenizer_fn()`` is called once, only if such a line exists."""
+    chat = chat if chat is not None else ChatOptions()
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -64,11 +93,11 @@ def load_prompts(path: str | Path, tokenizer_fn, vocab_size: int, limit: int | N
                 raise _prompt_error(path, no, "messages", "only assistant turns; nothing to prompt with")
             if tok is None:
                 tok = tokenizer_fn()
-                if not getattr(tok, "chat_template", None):
+                if chat.template is None and not getattr(tok, "chat_template", None):
                     raise DflashError(f"{path}:{no}: messages: the target's tokenizer has no chat template; "
-                                      "give input_ids lines instead")
+                                      "give --chat-template FILE, or input_ids lines instead")
             try:
-                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                text = chat.render(tok, msgs, True)
             except Exception as e:  # noqa: BLE001 - template errors are data errors
                 raise _prompt_error(path, no, "messages", f"the chat template rejected it "
                                     f"({type(e).__name__}: {e})") from None

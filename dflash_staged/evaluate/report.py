@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dflash_staged.errors import DflashError
-from dflash_staged.evaluate.prompts import load_prompts
+from dflash_staged.evaluate.prompts import chat_options, load_prompts
 from dflash_staged.evaluate.speculative import DrafterProposer, acceptance_stats, greedy_generate, speculative_generate
 
 
@@ -57,8 +57,13 @@ def _say(msg: str, quiet: bool) -> None:
 
 
 def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int = 128, *, device: str | None = None,
-             limit: int | None = None, baseline: bool = True, quiet: bool = False) -> dict:
-    """Speculative decoding of every prompt (and plain greedy, unless ``baseline=False``): the report."""
+             limit: int | None = None, baseline: bool = True, quiet: bool = False,
+             chat_template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> dict:
+    """Speculative decoding of every prompt (and plain greedy, unless ``baseline=False``): the report.
+
+    Prompts are rendered with the chat options of :func:`~dflash_staged.evaluate.prompts.chat_options`
+    (the checkpoint's record, updated by `chat_template_kwargs`, template replaced by `chat_template`).
+    """
     from dflash_staged.model.target import load_target, load_tokenizer
     from dflash_staged.model.dims import target_dims
     from dflash_staged.model.weights import load_drafter, read_drafter_config
@@ -81,7 +86,10 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
             tok_cache.append(load_tokenizer(tcfg))
         return tok_cache[0]
 
-    prompts = load_prompts(prompts_path, tokenizer, vocab, limit)  # bad lines fail before the model loads
+    chat, chat_source = chat_options(ckpt, target_spec, chat_template_kwargs, chat_template)
+    prompts = load_prompts(prompts_path, tokenizer, vocab, limit, chat)  # bad lines fail before the model loads
+    _say(f"chat template {chat.template_path or '(the tokenizer template)'} with {chat.kwargs}, from {chat_source}",
+         quiet)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     target = load_target(tcfg, device, layer_ids=list(dcfg.target_layer_ids))
@@ -125,7 +133,8 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
         report["lossless"] = {"identical_prompts": int(identical), "prompts": len(prompts)}
     report.update(drafter=str(ckpt), target=tcfg.model, target_layer_ids=list(dcfg.target_layer_ids),
                   prompts_file=str(prompts_path), device=str(device), dtype=str(target.dtype).replace("torch.", ""),
-                  stop_token_ids=stop, per_prompt=per_prompt)
+                  stop_token_ids=stop, per_prompt=per_prompt,
+                  chat={"kwargs": chat.kwargs, "template": chat.template_path or None, "from": chat_source})
     return report
 
 
@@ -137,6 +146,9 @@ def format_report(r: dict) -> str:
              "accepted-length histogram (1..B): " + " ".join(str(x) for x in r["accept_length_histogram"]),
              f"speculative: {r['speculative']['tokens']} tokens in {r['speculative']['seconds']:.1f} s "
              f"({r['speculative']['tokens_per_s']:.1f} tok/s)"]
+    if r.get("chat"):
+        lines.append(f"chat template {r['chat']['template'] or '(the tokenizer template)'} with "
+                     f"{r['chat']['kwargs']}, from {r['chat']['from']}")
     if "greedy" in r:
         g, ll = r["greedy"], r["lossless"]
         lines.append(f"plain greedy: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['tokens_per_s']:.1f} tok/s); "

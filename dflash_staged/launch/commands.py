@@ -18,7 +18,8 @@ def _common(fn):
     opts = [
         click.option("--config", "config", required=True, type=click.Path(path_type=Path),
                      help="Config TOML (planned into WORKDIR/manifest unless that holds this plan already)."),
-        click.option("--data", "data", required=True, type=click.Path(path_type=Path), help="JSONL data to plan."),
+        click.option("--data", "data", required=True, type=click.Path(path_type=Path),
+                     help="Data to plan: JSONL, parquet or a saved dataset (as for dflash plan)."),
         click.option("--workdir", required=True, type=click.Path(path_type=Path),
                      help="Holds manifest/, store/ (shards; put it on NVMe) and run/ (checkpoints, metrics)."),
         click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True),

@@ -64,12 +64,14 @@ def plan_cmd_if_needed(config: Path, data: Path, manifest: Path, epochs: int, se
     data would be silently ignored)."""
     from dflash_staged.config import load_config
     from dflash_staged.manifest import Manifest, ManifestMismatchError, plan_identity
+    from dflash_staged.plan.chat import ChatOptions
     from dflash_staged.plan.dataset import data_hash
     cmd = dflash_cmd("plan", "--config", config, "--data", data, "--manifest", manifest, "--epochs", str(epochs),
                      "--seed", str(seed))
     if not Manifest.exists(manifest):
         return cmd
-    wanted = plan_identity(load_config(config).to_dict(), data_hash(data), epochs, seed)
+    cfg = load_config(config)
+    wanted = plan_identity(cfg.to_dict(), data_hash(data, ChatOptions.from_config(cfg.data).template), epochs, seed)
     with Manifest.open(manifest, readonly=True) as m:
         try:
             m.check_same_plan(wanted)

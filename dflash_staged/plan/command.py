@@ -15,6 +15,7 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
     """
     from dflash_staged.config import ConfigError, load_config
     from dflash_staged.model.dims import target_dims
+    from dflash_staged.plan.chat import ChatOptions
     from dflash_staged.plan.dataset import load_dataset
     from dflash_staged.manifest import Manifest
     from dflash_staged.model.target import resolve_layer_ids
@@ -27,11 +28,14 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
     if mask_id != -1 and not 0 <= mask_id < vocab:
         raise ConfigError(f"{config_path}: drafter.mask_token_id={mask_id} is outside the target vocabulary "
                           f"0..{vocab - 1}; use -1 (= len(tokenizer)) or an unused or special id below {vocab}")
-    samples, data_hash = load_dataset(data_path, cfg, skip_bad=skip_bad, progress=progress)
+    chat = ChatOptions.from_config(cfg.data)
+    samples, data_hash = load_dataset(data_path, cfg, skip_bad=skip_bad, progress=progress, chat=chat)
     plan = make_plan(samples.lengths(), cfg, epochs, seed)
     existed = Manifest.exists(manifest_dir)
+    # meta "chat": how conversations were rendered; the trainer copies it into checkpoints for eval
     with Manifest.create(manifest_dir, config=cfg, samples=samples, plan=plan,
-                         data_path=str(Path(data_path).resolve()), data_hash=data_hash, layer_ids=layer_ids):
+                         data_path=str(Path(data_path).resolve()), data_hash=data_hash, layer_ids=layer_ids,
+                         extra_meta={"chat": chat.record()}):
         pass
     head = (f"{manifest_dir} already holds this plan (same config, data, epochs and seed); nothing to do"
             if existed else f"planned {manifest_dir}")
@@ -42,7 +46,9 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
 def format_plan_summary(samples, plan: Plan, data_path: str, max_len: int, min_loss: int,
                         layer_ids: list[int] | None = None) -> str:
     st = samples.stats
-    lines = [f"  samples: {st['samples']:,} from {data_path} ({st['lines']:,} lines)"]
+    lines = [f"  samples: {st['samples']:,} from {data_path} ({st['lines']:,} records)"]
+    if st.get("format"):
+        lines.append(f"  format: {st['format']}")
     skipped = [f"{st['bad']:,} bad"] if st.get("bad") else []
     if st.get("skipped_long"):
         skipped.append(f"{st['skipped_long']:,} longer than max_len {max_len}")
@@ -52,6 +58,9 @@ def format_plan_summary(samples, plan: Plan, data_path: str, max_len: int, min_l
                  + (f"; truncated to {max_len}: {st['truncated']:,}" if st.get("truncated") else ""))
     for ex in getattr(samples, "bad_examples", [])[:3]:
         lines.append(f"    e.g. {ex}")
+    if st.get("off_prompt"):
+        from dflash_staged.plan.chat import off_prompt_warning
+        lines.append("  " + off_prompt_warning(st["off_prompt"]))
     lows = [1] + [e + 1 for e in plan.edges[:-1]]
     buckets = [f"{a}-{b}: {n}" for a, b, n in zip(lows, plan.edges, plan.bucket_counts())]
     lines.append(f"  buckets (length range: jobs per epoch): {', '.join(buckets)}")

@@ -1,66 +1,60 @@
-"""The prompts of ``dflash regenerate``: conversations whose assistant turns the target re-answers."""
+"""The prompts of ``dflash regenerate``: conversations whose assistant turns the target re-answers.
+
+They are read with the plan's own readers (:mod:`dflash_staged.plan.formats`,
+:mod:`dflash_staged.plan.records`): JSONL, parquet or saved datasets, each record holding
+``messages`` or ShareGPT-style ``conversations``, with the same role mapping and the same
+errors naming file, line (or row) and field. Records are numbered from 1 across the input, in
+order; that number is the ``regenerated.line`` of the answer.
+"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_staged.errors import DflashError
+from dflash_staged.plan.errors import BadRecord, DatasetError
+from dflash_staged.plan.formats import sources
+from dflash_staged.plan.records import decode_line, parse_conversations, parse_messages
 
-ROLES = ("system", "user", "assistant")
+KEEP = ("system", "developer", "user")  # turns kept as they are; assistant (and tool) turns are re-answered
 
 
 @dataclass
 class Conversation:
-    line: int  # 1-based line of the input file
-    turns: list[dict]  # system and user turns, in order (assistant turns dropped)
-    extra: dict  # the line's other keys, kept in the output
+    line: int  # 1-based record number of the input
+    turns: list[dict]  # the kept turns, in order
+    extra: dict  # the record's other fields, kept in the output
 
     @property
     def user_turns(self) -> int:
         return sum(t["role"] == "user" for t in self.turns)
 
 
-def _bad(path, line: int, field: str, msg: str) -> DflashError:
-    return DflashError(f"{path}:{line}: {field}: {msg}; each line must be "
-                       '{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}')
+def _conversation(line: int, record) -> Conversation:
+    obj = decode_line(record) if isinstance(record, bytes) else {k: v for k, v in record.items() if v is not None}
+    if "messages" in obj:
+        msgs, key = parse_messages(obj["messages"]), "messages"
+    elif "conversations" in obj:
+        msgs, key = parse_conversations(obj["conversations"], obj.get("system")), "conversations"
+    else:
+        raise BadRecord("messages", "missing field: a prompt needs messages or conversations (from/value)")
+    conv = Conversation(line, [{"role": m["role"], "content": m["content"]} for m in msgs if m["role"] in KEEP],
+                        {k: v for k, v in obj.items() if k not in ("messages", "conversations", "system", "regenerated")})
+    if not conv.user_turns:
+        raise BadRecord(key, "no user turn to answer")
+    return conv
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
-    """Every conversation of the file, checked whole before anything is generated."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise DflashError(f"{path}: cannot read the prompts file ({e.strerror}); check the path") from None
-    except UnicodeDecodeError as e:
-        raise DflashError(f"{path}: byte {e.start} is not UTF-8; save the file as UTF-8") from None
-    out = []
-    for no, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, RecursionError, ValueError) as e:
-            raise _bad(path, no, "(line)", f"malformed JSON ({str(e)[:80]})") from None
-        if not isinstance(obj, dict) or "messages" not in obj:
-            raise _bad(path, no, "messages", "missing field")
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise _bad(path, no, "messages", "expected a non-empty list")
-        turns = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                raise _bad(path, no, f"messages[{i}]", "expected an object with a string content")
-            if m.get("role") not in ROLES:
-                raise _bad(path, no, f"messages[{i}].role", f"unknown role {m.get('role')!r}")
-            if m["role"] != "assistant":
-                turns.append({"role": m["role"], "content": m["content"]})
-        conv = Conversation(no, turns, {k: v for k, v in obj.items() if k not in ("messages", "regenerated")})
-        if not conv.user_turns:
-            raise _bad(path, no, "messages", "no user turn to answer")
-        out.append(conv)
+    """Every conversation of the input, checked whole before anything is generated."""
+    out: list[Conversation] = []
+    for src in sources(path):
+        for no, record in src.records():
+            try:
+                out.append(_conversation(len(out) + 1, record))
+            except BadRecord as e:
+                raise DatasetError(f"{src.where(no)}: field {e.field}: {e}; each record must hold messages "
+                                   "([{role, content}]) or conversations ([{from, value}])") from None
     if not out:
-        raise DflashError(f"{path}: no conversations (the file is empty)")
+        raise DatasetError(f"{path}: no conversations (the input is empty)")
     return out

@@ -2,7 +2,8 @@
 
 A batch's conversations are answered round by round: round r generates, for every conversation
 that has one, the answer to its r-th user turn, given the system and user turns and the answers
-regenerated so far, rendered with the chat template (``add_generation_prompt``) and its options.
+regenerated so far, rendered with the chat template (``add_generation_prompt``) and its options
+(:class:`~dflash_staged.plan.chat.ChatOptions`, as ``plan`` renders the training data).
 Prompts are left-padded for generation. A generation stops at a stop token (``eos``) or after
 ``max_new_tokens`` (``length``); the answer is the text of the tokens before the stop token.
 Sampling (``temperature > 0``) is seeded per batch and round, so a rerun gives the same text.
@@ -24,6 +25,7 @@ import torch
 
 from dflash_staged.config import TargetConfig
 from dflash_staged.errors import DflashError
+from dflash_staged.plan.chat import ChatOptions
 from dflash_staged.procs import die_with_parent
 from dflash_staged.regenerate.conversations import Conversation
 from dflash_staged.regenerate.parts import PartWriter
@@ -38,13 +40,12 @@ class GenOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    chat_template_kwargs: dict = field(default_factory=dict)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
 
-def render(tok, history: list[dict], kwargs: dict) -> list[int]:
+def render(tok, history: list[dict], chat: ChatOptions) -> list[int]:
     """Token ids of the conversation so far plus the generation prompt."""
-    enc = tok.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=True, **kwargs)
-    return list(enc["input_ids"])
+    return list(tok(chat.render(tok, history, gen=True), add_special_tokens=False)["input_ids"])
 
 
 def answer(model, tok, convs: list[Conversation], o: GenOptions, stop_ids: list[int]) -> list[dict]:
@@ -70,7 +71,7 @@ def answer(model, tok, convs: list[Conversation], o: GenOptions, stop_ids: list[
     need = [i for i in range(len(convs)) if advance(i)]
     rnd = 0
     while need:
-        prompts = [render(tok, hist[i], o.chat_template_kwargs) for i in need]
+        prompts = [render(tok, hist[i], o.chat) for i in need]
         width = max(map(len, prompts))
         ids = torch.full((len(need), width), pad, dtype=torch.long)
         mask = torch.zeros((len(need), width), dtype=torch.long)

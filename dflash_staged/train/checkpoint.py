@@ -19,6 +19,8 @@ Format, version :data:`FORMAT_VERSION` (one directory per checkpoint; no pickle 
                                    "world": trainer ranks, "mode": "live" | "replay",
                                    "replay_pos": jobs of the replay sequence admitted (replay),
                                    "manifest_id", "config" (resolved snapshot), "drafter_config",
+                                   "chat": the manifest's chat rendering record (template text and
+                                           kwargs; dflash eval renders prompts with it),
                                    "time": unix seconds}
 
 A checkpoint is written with :func:`dflash_staged.fsutil.atomic_dir` (temporary sibling, every file

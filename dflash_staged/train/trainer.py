@@ -83,7 +83,8 @@ class Trainer:
                      "consumed": {str(s): v for s, v in sorted(self.ledger.consumed.items())},
                      "buffer": buffers, "generators": gens, "world": self.dist.world,
                      "replay_pos": getattr(self.source, "pos", None), "config": self.cfg.to_dict(),
-                     "drafter_config": self.model.drafter.dcfg.to_dict(), "time": time.time()}
+                     "drafter_config": self.model.drafter.dcfg.to_dict(), "time": time.time(),
+                     "chat": self.m.meta.get("chat")}
             ckpt.save_checkpoint(self.opts.out, self.step, write_drafter=self.model.write_drafter, tensors=tensors,
                                  state=state, keep=self.cfg.train.keep_checkpoints)
         self.dist.barrier()

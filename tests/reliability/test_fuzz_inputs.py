@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import dflash_staged.plan.dataset as dataset_mod
+from dflash_staged.plan.records import FROM_ROLES, ROLES
 from dflash_staged.cli import main
 from dflash_staged.config import _SECTION_CLASSES
 from helpers import TINY
@@ -98,7 +99,7 @@ def bad_line(draw) -> tuple[bytes, set[str]]:
     kind = draw(st.sampled_from(["json", "utf8", "not_object", "missing_ids", "missing_mask", "ids_type",
                                  "ids_elem", "ids_huge", "mask_type", "mask_value", "mismatch", "empty",
                                  "vocab", "negative", "mask_token", "both", "messages", "deep", "long_int",
-                                 "nan"]))
+                                 "nan", "conversations"]))
     x = draw(ids)
     mask = [1] * len(x)
     if kind == "json":
@@ -165,11 +166,13 @@ def bad_line(draw) -> tuple[bytes, set[str]]:
         return _raw({"input_ids": y, "loss_mask": mask}), {"input_ids"}
     if kind == "both":
         return _raw({"input_ids": x, "loss_mask": mask, **GOOD_CHAT}), {"messages"}
+    if kind == "conversations":
+        return draw(bad_conversation())
     if kind == "messages":
         i = draw(st.integers(0, 1))
         msgs = json.loads(json.dumps(GOOD_CHAT["messages"]))
         how = draw(st.sampled_from(["not_list", "empty", "item", "no_role", "no_content", "role_type",
-                                    "content_type"]))
+                                    "content_type", "role_unknown"]))
         if how == "not_list":
             return _raw({"messages": draw(not_int.filter(lambda v: not isinstance(v, list)))}), {"messages"}
         if how == "empty":
@@ -181,6 +184,9 @@ def bad_line(draw) -> tuple[bytes, set[str]]:
             key = how[3:]
             del msgs[i][key]
             return _raw({"messages": msgs}), {f"messages[{i}].{key}"}
+        if how == "role_unknown":
+            msgs[i]["role"] = draw(st.text(max_size=8).filter(lambda r: r not in ROLES))
+            return _raw({"messages": msgs}), {f"messages[{i}].role"}
         key = how.split("_")[0]
         msgs[i][key] = draw(not_int.filter(lambda v: not isinstance(v, str)))
         return _raw({"messages": msgs}), {f"messages[{i}].{key}"}
@@ -195,6 +201,33 @@ def bad_line(draw) -> tuple[bytes, set[str]]:
     y[draw(st.integers(0, len(x) - 1))] = draw(st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999"]))
     text = json.dumps({"input_ids": y, "loss_mask": mask})
     return re.sub(r'"(NaN|-?Infinity|1e999)"', r"\1", text).encode(), {"input_ids"}
+
+
+@st.composite
+def bad_conversation(draw) -> tuple[bytes, set[str]]:
+    """A ShareGPT-style line broken one way: (raw line, acceptable fields)."""
+    turns = [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "I am fine, thank you."}]
+    i = draw(st.integers(0, 1))
+    how = draw(st.sampled_from(["not_list", "empty", "item", "no_key", "type", "unknown_role", "system"]))
+    if how == "not_list":
+        return _raw({"conversations": draw(not_int.filter(lambda v: not isinstance(v, list)))}), {"conversations"}
+    if how == "empty":
+        return _raw({"conversations": []}), {"conversations"}
+    if how == "item":
+        turns[i] = draw(not_int.filter(lambda v: not isinstance(v, dict)))
+        return _raw({"conversations": turns}), {f"conversations[{i}]"}
+    if how == "system":
+        return _raw({"system": draw(not_int.filter(lambda v: v is not None and not isinstance(v, str))),
+                     "conversations": turns}), {"system"}
+    key = draw(st.sampled_from(["from", "value"]))
+    if how == "no_key":
+        del turns[i][key]
+    elif how == "type":
+        turns[i][key] = draw(not_int.filter(lambda v: not isinstance(v, str)))
+    else:
+        key = "from"
+        turns[i]["from"] = draw(st.text(max_size=8).filter(lambda r: r not in FROM_ROLES))
+    return _raw({"conversations": turns}), {f"conversations[{i}].{key}"}
 
 
 def _dataset_case(good, bad, where, skip_bad, chat):
@@ -247,7 +280,12 @@ def test_unusable_data_files(tmp_path, content, words):
     data = tmp_path / "data.jsonl"
     data.write_bytes(content)
     assert_clean_error(plan(TINY, data, tmp_path / "m"), tmp_path / "m", str(data), *words)
-    assert_clean_error(plan(TINY, tmp_path, tmp_path / "m"), tmp_path / "m", str(tmp_path), "cannot read")
+    assert_clean_error(plan(TINY, tmp_path / "none.jsonl", tmp_path / "m"), tmp_path / "m", "none.jsonl",
+                       "cannot read")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not data")  # a directory is data only if it holds some
+    assert_clean_error(plan(TINY, tmp_path / "notes", tmp_path / "m"), tmp_path / "m", str(tmp_path / "notes"),
+                       "no *.jsonl, *.json or *.parquet files")
 
 
 # ---------------------------------------------------------------------------------------------- bad configs
