@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -53,22 +54,30 @@ class SqliteManifest(Manifest):
         return True  # any path (asked last)
 
     @classmethod
+    def _dir(cls, address) -> Path:
+        """The directory; a URL of a kind no backend takes is an error, never a directory named after it."""
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(address)):
+            raise ManifestError(f"manifest address {str(address)!r}: unknown kind of URL; a manifest is a directory "
+                                "(SQLite, one host) or postgresql://USER@HOST:PORT/DB#NAME")
+        return Path(address)
+
+    @classmethod
     def _exists(cls, address) -> bool:
-        d = Path(address)
+        d = cls._dir(address)
         if d.is_dir() and not any(d.iterdir()):
             return False  # an empty directory (e.g. made by the user) counts as no manifest
         return d.exists()
 
     @classmethod
     def _write_new(cls, address, **kw) -> None:
-        d = Path(address)
+        d = cls._dir(address)
         if d.is_dir() and not any(d.iterdir()):
             d.rmdir()
         write_manifest_dir(d, **kw)
 
     @classmethod
     def _open(cls, address, readonly: bool) -> "SqliteManifest":
-        dir = Path(address)
+        dir = cls._dir(address)
         db = dir / "manifest.db"
         if not db.is_file():
             raise ManifestError(f"no manifest at {dir} (missing {db.name}); run `dflash plan --manifest {dir}` first")

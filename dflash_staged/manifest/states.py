@@ -120,6 +120,7 @@ class Proc:
     group_id: str | None
     rank: int | None
     info: dict
+    heartbeat: float | None = None  # last heartbeat (the manifest's clock), where the backend keeps one
 
 
 def group_counts(counts: Mapping[str, int]) -> dict[str, int]:

@@ -1,0 +1,522 @@
+"""The PostgreSQL manifest: one run across many hosts.
+
+Chosen by the address ``postgresql://USER@HOST:PORT/DB#NAME`` (:mod:`.pg_conn`: the address,
+connections, retrying a lost connection; :mod:`.pg_schema`: the layout, and why the samples live
+in the database). It implements the state machine of :mod:`.states` with the same job ids and the
+same ``status --json`` as the SQLite backend; what differs is how hosts share it:
+
+- **claim** takes a transaction-scoped advisory lock on the manifest's window
+  (``pg_advisory_xact_lock``), reclaims stale claims, checks the window and claims the first
+  pending job (``FOR UPDATE SKIP LOCKED``), in one transaction. Only a claim grows the window, so
+  serialising claims makes the window check exact across hosts. Row locks with ``SKIP LOCKED``
+  alone would let two claimers both see room for one job and both claim it:
+  ``bench/manifest_bench.py`` measures both (the lock costs little; the overshoot is real).
+  Every other transition locks only the rows it changes and never waits on the window lock.
+- **take** uses ``FOR UPDATE SKIP LOCKED``, so trainer ranks on different hosts admit disjoint shards.
+- **Liveness.** A claim records host name, boot id, pid and start time, and a lease deadline on the
+  server's clock. Anyone reclaims an expired lease; a claim whose process is gone is reclaimable at
+  once only by a process on the same host (same host name; another boot id proves it gone). A
+  registered process heartbeats from a thread every lease / 4 and counts as alive, seen from
+  another host, while its heartbeat is younger than the lease (``extract.lease_s`` of the plan).
+- **publish** checks the claim (state, worker, attempt) with the row locked, runs the commit
+  callback (the shard's rename) and marks the job written, in one transaction. A late publish is
+  refused (event ``refused``) and the worker deletes its shard. Retried after a lost connection,
+  it reports success if its first try had committed (the job is written with this attempt's
+  checksum) and otherwise finishes without renaming twice. claim and take record a token in the
+  rows they change, so a retry finds what a first try that did commit took.
+- **A trainer's fence.** A trainer that registered (exclusively) checks its registration in each
+  of its transactions; once another trainer has replaced it (it was cut off past its lease), it
+  stops instead of consuming.
+
+A rename on a shared filesystem cannot be fenced: a worker stalled between its ownership check and
+the rename for longer than ``idle_in_transaction_session_timeout`` could still rename over a newer
+shard of its job. The checksum the manifest recorded catches that on read, and the job is re-extracted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from typing import Any, Iterable
+
+import numpy as np
+
+from dflash_staged.manifest.base import Manifest, register_backend
+from dflash_staged.manifest.pg_conn import PgAddress, Session, psycopg
+from dflash_staged.manifest.pg_schema import NOW, SampleReader, create_tables
+from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError,
+                                           Proc, TrainerBusyError, plan_identity)
+from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
+
+LOCK_NS = 0x64666C61  # 'dfla': the first key of this package's advisory locks
+_FREE = "worker=NULL, host=NULL, boot_id=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
+_IN = lambda states: "(" + ",".join(f"'{s}'" for s in states) + ")"  # noqa: E731
+
+
+@register_backend
+class PostgresManifest(Manifest):
+    """A manifest in a PostgreSQL schema; see the module docstring."""
+
+    CLAIM_LOCK = "advisory"  # "skip_locked": row locks only; for bench/manifest_bench.py (overshoots the window)
+
+    def __init__(self, addr: PgAddress, session: Session, readonly: bool):
+        self.addr, self.address, self._s, self.readonly = addr, addr.display, session, readonly
+        self._meta: dict[str, Any] | None = None
+        self._samples: SampleReader | None = None
+        self._heart: _Heartbeat | None = None
+        self._fence: str | None = None  # this handle's exclusive registration (a trainer's)
+
+    # ------------------------------------------------------------------ creation / opening
+    @classmethod
+    def handles(cls, address) -> bool:
+        return str(address).startswith(("postgresql:", "postgres:"))
+
+    @classmethod
+    def _addr(cls, address) -> PgAddress:
+        if not str(address).startswith(("postgresql://", "postgres://")):
+            raise ManifestError(f"manifest address {str(address)!r} lost a '/' after 'postgresql:' (was it passed "
+                                "through a filesystem path?); write postgresql://USER@HOST:PORT/DB#NAME")
+        return PgAddress.parse(address)
+
+    @classmethod
+    def _exists(cls, address) -> bool:
+        addr = cls._addr(address)
+        s = Session(addr, schema=False)
+        try:
+            return s.run(lambda cur, _: _schema_kind(cur, addr)) == "manifest"
+        finally:
+            s.close()
+
+    @classmethod
+    def _write_new(cls, address, **kw) -> None:
+        addr = cls._addr(address)
+        pg = psycopg()
+        s = Session(addr, schema=False)
+        try:
+            s.run(lambda cur, _: create_tables(cur, pg, addr.name, kw))
+        except pg.errors.DuplicateSchema:  # planned concurrently: it must hold this plan
+            with cls._open(address, False) as m:
+                m.check_same_plan(plan_identity(kw["config"].to_dict(), kw["data_hash"], kw["plan"].epochs,
+                                                kw["plan"].seed))
+        except pg.errors.InsufficientPrivilege as e:
+            raise ManifestError(f"user {addr.user or '(default)'!r} may not create the manifest schema {addr.name!r} "
+                                f"in database {addr.db!r} on {addr.server} ({' '.join(str(e).split())}): GRANT CREATE "
+                                f"ON DATABASE {addr.db} TO that user, or use another database") from None
+        finally:
+            s.close()
+
+    @classmethod
+    def _open(cls, address, readonly: bool) -> "PostgresManifest":
+        addr = cls._addr(address)
+        s = Session(addr, readonly=readonly)
+        try:
+            kind = s.run(lambda cur, _: _schema_kind(cur, addr))
+            if kind == "none":
+                raise ManifestError(f"no manifest {addr.name!r} in database {addr.db!r} on PostgreSQL server "
+                                    f"{addr.server}: run `dflash plan --manifest '{addr.display}'` first (or fix the "
+                                    "name after '#')")
+            version = s.run(lambda cur, _: _one(cur, "SELECT value FROM meta WHERE key='format_version'"))
+        except BaseException:
+            s.close()
+            raise
+        version = json.loads(version["value"]) if version else None
+        if version != FORMAT_VERSION:
+            s.close()
+            raise ManifestError(f"{addr.display} has manifest format_version {version}; this dflash-staged reads "
+                                f"version {FORMAT_VERSION}: re-plan it with this version (or use the version that "
+                                "wrote it)")
+        return cls(addr, s, readonly)
+
+    def close(self) -> None:
+        if self._heart is not None:
+            self._heart.stop.set()
+            self._heart = None
+        self._s.close()
+
+    def _run(self, body, fenced: bool = False):
+        if fenced and self._fence:
+            def checked(cur, again, inner=body):
+                self._check_fence(cur)
+                return inner(cur, again)
+            return self._s.run(checked)
+        return self._s.run(body)
+
+    def _check_fence(self, cur) -> None:
+        if _one(cur, "SELECT 1 AS ok FROM procs WHERE id = %s", (self._fence,)) is None:
+            raise ManifestError(f"this trainer's registration on {self.address} lapsed (no heartbeat for longer than "
+                                "the lease, e.g. cut off from the server) and another trainer replaced it: stopping "
+                                "without consuming more; rerun it to resume from its last checkpoint")
+
+    def _all(self, q: str, args: tuple = ()) -> list[dict]:
+        return self._run(lambda cur, _: cur.execute(q, args).fetchall())
+
+    @staticmethod
+    def _event(cur, job: int | None, kind: str, detail: str) -> None:
+        cur.execute(f"INSERT INTO events (t, job, kind, detail) VALUES ({NOW}, %s, %s, %s)", (job, kind, detail))
+
+    def now(self) -> float:
+        return float(self._run(lambda cur, _: _one(cur, f"SELECT {NOW} AS t"))["t"])
+
+    # ------------------------------------------------------------------ metadata and samples
+    @property
+    def meta(self) -> dict[str, Any]:
+        if self._meta is None:
+            self._meta = {r["key"]: json.loads(r["value"]) for r in self._all("SELECT key, value FROM meta")}
+        return self._meta
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self._run(lambda cur, _: cur.execute("INSERT INTO meta VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET "
+                                             "value = EXCLUDED.value", (key, json.dumps(value))))
+        self._meta = None
+
+    def _reader(self) -> SampleReader:
+        if self._samples is None:
+            def fetch(name: str, a: int, b: int) -> dict[int, bytes]:
+                rows = self._all("SELECT chunk, data FROM samples WHERE name = %s AND chunk BETWEEN %s AND %s",
+                                 (name, a, b))
+                return {r["chunk"]: bytes(r["data"]) for r in rows}
+            self._samples = SampleReader(fetch, int(self.meta["sample_chunk"]))
+        return self._samples
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._reader().sample(i)
+
+    def sample_lengths(self) -> np.ndarray:
+        return np.diff(self._reader().offsets())
+
+    # ------------------------------------------------------------------ queries
+    def job(self, job_id: int) -> Job:
+        rows = self._all("SELECT * FROM jobs WHERE id = %s", (job_id,))
+        if not rows:
+            raise ManifestError(f"{self.address}: no job {job_id}")
+        return Job.from_row(rows[0])
+
+    def jobs(self, state: str | None = None) -> list[Job]:
+        q, args = ("SELECT * FROM jobs WHERE state = %s ORDER BY id", (state,)) if state else \
+            ("SELECT * FROM jobs ORDER BY id", ())
+        return [Job.from_row(r) for r in self._all(q, args)]
+
+    def _by_state(self, expr: str) -> dict[str, int]:
+        out = dict.fromkeys(STATES, 0)
+        for r in self._all(f"SELECT state, {expr} AS n FROM jobs GROUP BY state"):
+            out[r["state"]] = int(r["n"] or 0)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        return self._by_state("COUNT(*)")
+
+    def tokens_by_state(self) -> dict[str, int]:
+        return self._by_state("SUM(real_tokens)")
+
+    @staticmethod
+    def _window(cur) -> dict[str, int]:
+        r = _one(cur, "SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN state = 'claimed' THEN real_tokens::bigint * "
+                      "COALESCE((SELECT value::bigint FROM meta WHERE key = 'bytes_per_token'), 0) ELSE "
+                      f"COALESCE(shard_bytes, 0) END), 0) AS b FROM jobs WHERE state IN {_IN(IN_WINDOW)}")
+        return {"shards": int(r["n"]), "bytes": int(r["b"])}
+
+    def window(self) -> dict[str, int]:
+        return self._run(lambda cur, _: self._window(cur))
+
+    def ready_count(self) -> int:
+        return int(self._all("SELECT COUNT(*) AS n FROM jobs WHERE state = 'written' AND taken_by IS NULL")[0]["n"])
+
+    def consumed_upto(self, step: int) -> list[Job]:
+        return [Job.from_row(r) for r in self._all(
+            "SELECT * FROM jobs WHERE state = 'consumed' AND step IS NOT NULL AND step <= %s ORDER BY id", (step,))]
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        q, args = ("SELECT * FROM events WHERE kind = %s ORDER BY id", (kind,)) if kind else \
+            ("SELECT * FROM events ORDER BY id", ())
+        return self._all(q, args)
+
+    def requeue_reasons(self) -> dict[str, int]:
+        reasons: dict[str, int] = {}
+        for r in self._all("SELECT detail, COUNT(*) AS n FROM events WHERE kind = 'requeue' GROUP BY detail"):
+            key = (r["detail"] or "").split(":", 1)[0]
+            reasons[key] = reasons.get(key, 0) + int(r["n"])
+        return reasons
+
+    def failed_errors(self) -> list[tuple[Job, str]]:
+        return [(Job.from_row(r), r["error"]) for r in self._all("SELECT * FROM jobs WHERE state = 'failed' ORDER BY id")]
+
+    # ------------------------------------------------------------------ extract side
+    def _reclaim(self, cur) -> int:
+        rows = cur.execute(f"SELECT id, host, boot_id, pid, pid_start, lease_until < {NOW} AS expired FROM jobs "
+                           f"WHERE state = 'claimed' AND (lease_until < {NOW} OR host = %s) FOR UPDATE SKIP LOCKED",
+                           (my_identity()[0],)).fetchall()
+        gone = [(r["id"], "lease expired" if r["expired"] else f"worker pid {r['pid']} is gone") for r in rows
+                if r["expired"] or not pid_alive(r["host"], r["pid"], r["pid_start"], r["boot_id"])]
+        if gone:
+            cur.execute(f"UPDATE jobs SET state = 'pending', {_FREE}, updated = {NOW} WHERE id = ANY(%s)",
+                        ([i for i, _ in gone],))
+            cur.executemany(f"INSERT INTO events (t, job, kind, detail) VALUES ({NOW}, %s, 'reclaim', %s)", gone)
+        return len(gone)
+
+    def reclaim_stale(self) -> int:
+        return self._run(lambda cur, _: self._reclaim(cur), fenced=True)
+
+    def claim(self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0) -> ClaimResult:
+        host, pid, start = my_identity()
+        token = uuid.uuid4().hex
+
+        def body(cur, again):
+            if again:  # the first try may have committed: find what it claimed
+                r = _one(cur, "SELECT * FROM jobs WHERE op_token = %s AND state = 'claimed'", (token,))
+                if r is not None:
+                    return ClaimResult(Job.from_row(r), window=self._window(cur))
+            if self.CLAIM_LOCK == "advisory":
+                cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_NS, self.addr.name + ":window"))
+            self._reclaim(cur)
+            w = self._window(cur)
+            row = _one(cur, "SELECT id FROM jobs WHERE state = 'pending' ORDER BY epoch, pos LIMIT 1 "
+                            "FOR UPDATE SKIP LOCKED")
+            if row is None:
+                left = _one(cur, "SELECT COUNT(*) AS n FROM jobs WHERE state IN ('pending', 'claimed')")["n"]
+                return ClaimResult(None, window=w, nothing_left=left == 0)
+            if w["shards"] >= window or (window_bytes and w["bytes"] >= window_bytes):
+                return ClaimResult(None, window_full=True, window=w)
+            r = _one(cur, f"UPDATE jobs SET state = 'claimed', worker = %s, host = %s, boot_id = %s, pid = %s, "
+                          f"pid_start = %s, lease_until = {NOW} + %s, attempts = attempts + 1, updated = {NOW}, "
+                          "op_token = %s WHERE id = %s RETURNING *",
+                     (worker, host, BOOT_ID, pid, start, float(lease_s), token, row["id"]))
+            return ClaimResult(Job.from_row(r), window=w)
+        return self._run(body)
+
+    @staticmethod
+    def _owned(cur, job: Job) -> bool:
+        r = _one(cur, "SELECT state, worker, attempts FROM jobs WHERE id = %s FOR UPDATE", (job.id,))
+        return r is not None and r["state"] == "claimed" and r["worker"] == job.worker and r["attempts"] == job.attempts
+
+    def extend_lease(self, job: Job, lease_s: float) -> bool:
+        return self._run(lambda cur, _: cur.execute(
+            f"UPDATE jobs SET lease_until = {NOW} + %s WHERE id = %s AND state = 'claimed' AND worker = %s AND "
+            "attempts = %s", (float(lease_s), job.id, job.worker, job.attempts)).rowcount == 1)
+
+    def publish(self, job: Job, nbytes: int, checksum: str, commit=None) -> bool:
+        renamed = False
+
+        def body(cur, again):
+            nonlocal renamed
+            if not self._owned(cur, job):
+                r = _one(cur, "SELECT state, worker, attempts, checksum FROM jobs WHERE id = %s", (job.id,))
+                if again and r and r["state"] in EXTRACTED and (r["worker"], r["attempts"], r["checksum"]) == \
+                        (job.worker, job.attempts, checksum):
+                    return True  # a first try that committed before the connection broke
+                self._event(cur, job.id, "refused", f"late publish by {job.worker} (attempt {job.attempts}): "
+                                                    "the claim was lost")
+                return False
+            if commit is not None and not renamed:
+                commit()
+                renamed = True
+            cur.execute(f"UPDATE jobs SET state = 'written', shard_bytes = %s, checksum = %s, lease_until = NULL, "
+                        f"taken_by = NULL, rank = NULL, step = NULL, error = NULL, updated = {NOW}, "
+                        "written_seq = nextval('written_seq') WHERE id = %s", (int(nbytes), checksum, job.id))
+            return True
+        return self._run(body)
+
+    def give_back(self, job: Job, reason: str = "given back") -> bool:
+        def body(cur, _):
+            if not self._owned(cur, job):
+                return False
+            cur.execute(f"UPDATE jobs SET state = 'pending', {_FREE}, updated = {NOW} WHERE id = %s", (job.id,))
+            self._event(cur, job.id, "abandon", reason)
+            return True
+        return self._run(body)
+
+    def fail(self, job: Job, error: str, max_attempts: int) -> str | None:
+        def body(cur, _):
+            if not self._owned(cur, job):
+                return None
+            errors = _one(cur, "SELECT errors FROM jobs WHERE id = %s", (job.id,))["errors"]
+            state = "failed" if errors + 1 >= max_attempts else "pending"
+            cur.execute(f"UPDATE jobs SET state = %s, errors = errors + 1, error = %s, {_FREE}, updated = {NOW} "
+                        "WHERE id = %s", (state, error[:2000], job.id))
+            self._event(cur, job.id, "error", error[:2000])
+            return state
+        return self._run(body)
+
+    def retry_failed(self) -> int:
+        return self._run(lambda cur, _: cur.execute(f"UPDATE jobs SET state = 'pending', errors = 0, updated = {NOW} "
+                                                    "WHERE state = 'failed'").rowcount)
+
+    # ------------------------------------------------------------------ train side
+    def take(self, trainer: str, rank: int, n: int) -> list[Job]:
+        token = uuid.uuid4().hex
+
+        def body(cur, again):
+            if again:  # the first try may have committed
+                rows = cur.execute("SELECT * FROM jobs WHERE op_token = %s AND state = 'written' ORDER BY written_seq",
+                                   (token,)).fetchall()
+                if rows:
+                    return rows
+            ids = [r["id"] for r in cur.execute(
+                "SELECT id FROM jobs WHERE state = 'written' AND taken_by IS NULL ORDER BY written_seq LIMIT %s "
+                "FOR UPDATE SKIP LOCKED", (n,)).fetchall()]
+            if not ids:
+                return []
+            rows = cur.execute("UPDATE jobs SET taken_by = %s, rank = %s, op_token = %s WHERE id = ANY(%s) RETURNING *",
+                               (trainer, rank, token, ids)).fetchall()
+            return sorted(rows, key=lambda r: r["written_seq"])
+        return [Job.from_row(r) for r in self._run(body, fenced=True)]
+
+    def retake(self, trainer: str, rank: int, job_ids: Iterable[int]) -> list[Job]:
+        ids = [int(i) for i in job_ids]
+        got = {r["id"]: Job.from_row(r) for r in self._run(lambda cur, _: cur.execute(
+            "UPDATE jobs SET taken_by = %s, rank = %s WHERE id = ANY(%s) AND state = 'written' RETURNING *",
+            (trainer, rank, ids)).fetchall(), fenced=True)}
+        return [got[i] for i in ids if i in got]
+
+    def consume(self, job_ids: Iterable[int], step: int, rank_of: dict[int, int] | None = None) -> None:
+        ids = [int(i) for i in job_ids]
+        ranks = [(rank_of or {}).get(i) for i in ids]
+        self._run(lambda cur, _: cur.execute(
+            f"UPDATE jobs AS j SET state = 'consumed', step = %s, rank = COALESCE(v.r, j.rank), updated = {NOW} "
+            "FROM unnest(%s::bigint[], %s::integer[]) AS v(id, r) WHERE j.id = v.id AND j.state = 'written'",
+            (step, ids, ranks)), fenced=True)
+
+    def release(self, job_ids: Iterable[int], keep: bool = False) -> None:
+        self._run(lambda cur, _: cur.execute(
+            f"UPDATE jobs SET state = %s, taken_by = NULL, updated = {NOW} WHERE id = ANY(%s) AND state = 'consumed'",
+            ("kept" if keep else "released", [int(i) for i in job_ids])), fenced=True)
+
+    def requeue(self, job_id: int, reason: str) -> bool:
+        def body(cur, _):
+            n = cur.execute(f"UPDATE jobs SET state = 'pending', shard_bytes = NULL, checksum = NULL, written_seq = NULL, "
+                            f"taken_by = NULL, rank = NULL, step = NULL, worker = NULL, updated = {NOW} "
+                            "WHERE id = %s AND state IN ('written', 'consumed')", (job_id,)).rowcount
+            if n:
+                self._event(cur, job_id, "requeue", reason[:2000])
+            return bool(n)
+        return self._run(body, fenced=True)
+
+    def resume_trainer(self, covered: dict[int, int]) -> list[int]:
+        def body(cur, _):
+            cur.execute("CREATE TEMP TABLE IF NOT EXISTS cov (id bigint PRIMARY KEY, step integer) ON COMMIT DELETE ROWS")
+            with cur.copy("COPY cov (id, step) FROM STDIN") as cp:
+                for i, s in covered.items():
+                    cp.write_row((int(i), int(s)))
+            cur.execute(f"UPDATE jobs SET state = 'written', step = NULL, updated = {NOW} WHERE state = 'consumed' "
+                        "AND shard_bytes IS NOT NULL AND id NOT IN (SELECT id FROM cov)")
+            cur.execute(f"UPDATE jobs AS j SET state = 'consumed', step = c.step, updated = {NOW} FROM cov AS c "
+                        "WHERE j.id = c.id AND j.state NOT IN ('released', 'kept')")
+            cur.execute("UPDATE jobs SET taken_by = NULL WHERE taken_by IS NOT NULL")
+            return [r["id"] for r in cur.execute("SELECT id FROM jobs WHERE state = 'consumed' ORDER BY id").fetchall()]
+        return self._run(body, fenced=True)
+
+    # ------------------------------------------------------------------ processes
+    def _proc_lease(self) -> float:
+        return float(self.meta["config"]["extract"]["lease_s"])
+
+    @staticmethod
+    def _alive(p: dict, now: float, lease: float) -> bool:
+        if p["host"] == my_identity()[0]:
+            return pid_alive(p["host"], p["pid"], p["pid_start"], p["boot_id"])
+        return p["heartbeat"] is not None and p["heartbeat"] >= now - lease
+
+    def register(self, role: str, *, group_id: str | None = None, rank: int | None = None,
+                 info: dict | None = None, exclusive: bool = False) -> str:
+        host, pid, start = my_identity()
+        pid_key, lease = f"{role}:{host}:{pid}:{start}", self._proc_lease()
+        row = (pid_key, role, host, BOOT_ID, pid, start, group_id, rank, json.dumps(info or {}))
+
+        def body(cur, _):
+            cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_NS, self.addr.name + ":procs"))
+            for p in cur.execute(f"SELECT *, {NOW} AS now FROM procs WHERE role = %s", (role,)).fetchall():
+                if not self._alive(p, p["now"], lease):
+                    cur.execute("DELETE FROM procs WHERE id = %s", (p["id"],))
+                elif exclusive and p["group_id"] != group_id and p["id"] != pid_key:
+                    raise TrainerBusyError(
+                        f"another {role} (host {p['host']}, pid {p['pid']}) already uses {self.address}; stop it first, "
+                        "or run both as ranks of one DDP job (torchrun); a process cut off from the server counts as "
+                        f"alive until {lease:.0f} s (extract.lease_s) after its last heartbeat")
+            cur.execute(_INSERT_PROC + " ON CONFLICT (id) DO UPDATE SET heartbeat = EXCLUDED.heartbeat, "
+                        "group_id = EXCLUDED.group_id, rank = EXCLUDED.rank, info = EXCLUDED.info", row)
+            self._event(cur, None, f"start:{role}", json.dumps(info or {}))
+        self._run(body)
+        if exclusive:
+            self._fence = pid_key
+        if self._heart is None:
+            self._heart = _Heartbeat(self.addr, max(0.25, lease / 4))
+            self._heart.start()
+        self._heart.hold(pid_key, row, exclusive)
+        return pid_key
+
+    def unregister(self, proc_id: str) -> None:
+        if self._heart is not None:
+            self._heart.drop(proc_id)
+        if self._fence == proc_id:
+            self._fence = None
+        self._run(lambda cur, _: cur.execute("DELETE FROM procs WHERE id = %s", (proc_id,)))
+
+    def live_procs(self, role: str | None = None) -> list[Proc]:
+        lease = self._proc_lease()
+        q, args = (f"SELECT *, {NOW} AS now FROM procs WHERE role = %s", (role,)) if role else \
+            (f"SELECT *, {NOW} AS now FROM procs", ())
+        return [Proc(id=p["id"], role=p["role"], host=p["host"], pid=p["pid"], pid_start=p["pid_start"],
+                     group_id=p["group_id"], rank=p["rank"], info=json.loads(p["info"] or "{}"),
+                     heartbeat=p["heartbeat"])
+                for p in self._all(q, args) if self._alive(p, p["now"], lease)]
+
+    def ever_registered(self, role: str) -> bool:
+        return bool(self._all("SELECT 1 AS ok FROM events WHERE kind = %s LIMIT 1", (f"start:{role}",)))
+
+    def log_event(self, kind: str, detail: str = "", job: int | None = None) -> None:
+        self._run(lambda cur, _: self._event(cur, job, kind, detail))
+
+
+_INSERT_PROC = (f"INSERT INTO procs (id, role, host, boot_id, pid, pid_start, group_id, rank, info, started, heartbeat) "
+                f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, {NOW}, {NOW})")
+
+
+def _one(cur, q: str, args: tuple = ()) -> dict | None:
+    return cur.execute(q, args).fetchone()
+
+
+def _schema_kind(cur, addr: PgAddress) -> str:
+    """'none' (no such schema), 'manifest', or ManifestError for a schema that is something else."""
+    if _one(cur, "SELECT 1 AS ok FROM pg_namespace WHERE nspname = %s", (addr.name,)) is None:
+        return "none"
+    if _one(cur, "SELECT to_regclass(format('%%I.meta', %s::text)) AS t", (addr.name,))["t"] is None:
+        raise ManifestError(f"schema {addr.name!r} in database {addr.db!r} on {addr.server} exists but holds no dflash "
+                            "manifest: choose another manifest name after '#'")
+    return "manifest"
+
+
+class _Heartbeat(threading.Thread):
+    """Keeps this process's registrations alive (its own connection); see the module docstring."""
+
+    def __init__(self, addr: PgAddress, interval: float):
+        super().__init__(daemon=True, name="manifest-heartbeat")
+        self.addr, self.interval = addr, interval
+        self.stop = threading.Event()
+        self._regs: dict[str, tuple[tuple, bool]] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, pid_key: str, row: tuple, exclusive: bool) -> None:
+        with self._lock:
+            self._regs[pid_key] = (row, exclusive)
+
+    def drop(self, pid_key: str) -> None:
+        with self._lock:
+            self._regs.pop(pid_key, None)
+
+    def _beat(self, cur, _) -> None:
+        with self._lock:
+            regs = list(self._regs.items())
+        for pid_key, (row, exclusive) in regs:
+            if cur.execute(f"UPDATE procs SET heartbeat = {NOW} WHERE id = %s", (pid_key,)).rowcount == 0 \
+                    and not exclusive:  # pruned while this host was cut off: an extractor comes back
+                cur.execute(_INSERT_PROC + " ON CONFLICT (id) DO NOTHING", row)
+
+    def run(self) -> None:
+        session = None
+        while not self.stop.wait(self.interval):
+            try:
+                session = session or Session(self.addr)
+                session.run(self._beat, retry=0)
+            except ManifestError:
+                pass  # unreachable now: try again at the next beat
+        if session is not None:
+            session.close()
