@@ -110,10 +110,14 @@ class PgCluster:
         auth = f"{user}:{password}" if password is not None else user
         return f"postgresql://{auth}@{host}:{self.port}/{db}#{name}"
 
-    def sql(self, statement: str, db: str = "postgres") -> None:
-        import psycopg
-        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/{db}", autocommit=True) as c:
-            c.execute(statement)
+    def sql(self, statement: str, db: str = "postgres") -> str:
+        """Run an administrative statement with psql (the server's own client)."""
+        r = subprocess.run([str(self.bindir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                            "-d", db, "-v", "ON_ERROR_STOP=1", "-qAtc", statement], capture_output=True, text=True,
+                           timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"psql {statement!r}: {r.stderr}")
+        return r.stdout
 
     def destroy(self) -> None:
         self.stop()
@@ -140,14 +144,15 @@ except ImportError:  # pragma: no cover - the module is also a plain helper
 if pytest is not None:
     @pytest.fixture(scope="session")
     def pg():
-        """The session's PostgreSQL cluster. Without the server binaries or psycopg the tests that use it
-        are skipped, naming what to install; with DFLASH_REQUIRE_POSTGRES=1 (CI) they fail instead."""
+        """The session's PostgreSQL cluster. Without the server binaries or the driver the tests that use
+        it are skipped, naming what to install; with DFLASH_REQUIRE_POSTGRES=1 (CI) they fail instead."""
+        from dflash_staged.manifest.pg_conn import driver
+        from dflash_staged.manifest.states import ManifestError
         required = os.environ.get(REQUIRE_ENV) == "1"
         try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            msg = "psycopg 3 is not installed: pip install 'dflash-staged[postgres]'"
-            pytest.fail(msg) if required else pytest.skip(msg)
+            driver()  # the PostgreSQL driver of the [postgres] extra
+        except ManifestError as e:
+            pytest.fail(str(e)) if required else pytest.skip(str(e))
         try:
             cluster = start_cluster()
         except (FileNotFoundError, RuntimeError, subprocess.SubprocessError) as e:

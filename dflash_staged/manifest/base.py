@@ -18,7 +18,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from dflash_staged.config import Config, config_from_dict
-from dflash_staged.manifest.states import (STATES, ClaimResult, Job, ManifestError, ManifestMismatchError, Proc,
+from dflash_staged.manifest.states import (STATES, ClaimResult, Job, ManifestError, ManifestMismatchError,
+                                           NoSuchJobError, Proc,
                                            diff_dicts, group_counts, plan_identity)
 
 
@@ -228,7 +229,10 @@ class Manifest(abc.ABC):
     def holds_claim(self, job_id: int, host: str, pid: int) -> bool:
         """Whether process ``pid`` on ``host`` still holds the claim on job ``job_id`` (a staged shard
         of another host whose claim it no longer holds is an orphan)."""
-        j = self.job(job_id)
+        try:
+            j = self.job(job_id)
+        except NoSuchJobError:
+            return False
         return j.state == "claimed" and j.host == host and j.pid == pid
 
     @abc.abstractmethod

@@ -50,7 +50,7 @@ def retry_s() -> float:
     return float(os.environ.get("DFLASH_PG_RETRY_S") or RETRY_S)
 
 
-def psycopg():
+def driver():
     """The psycopg 3 module, or one line naming the extra to install."""
     try:
         import psycopg as pg
@@ -120,7 +120,7 @@ class Session:
 
     def __init__(self, addr: PgAddress, *, readonly: bool = False, schema: bool = True):
         self.addr, self.readonly, self.schema = addr, readonly, schema
-        self._pg = psycopg()
+        self._pg = driver()
         self._gone: str | None = None
         try:
             self._conn = self._connect()

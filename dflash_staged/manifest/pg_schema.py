@@ -32,6 +32,7 @@ import json
 import numpy as np
 
 from dflash_staged.manifest.build import job_rows, plan_meta
+from dflash_staged.manifest.states import ManifestError
 
 NOW = "extract(epoch from clock_timestamp())"
 CHUNK = 1 << 22  # elements per row of the samples table (16 MiB of tokens)
@@ -78,6 +79,16 @@ def create_tables(cur, pg, name: str, plan_kw: dict) -> None:
     with cur.copy("COPY jobs (id, epoch, pos, bucket, sample_ids, real_tokens, padded_tokens) FROM STDIN") as cp:
         for r in job_rows(plan_kw["plan"]):
             cp.write_row(r)
+
+
+def schema_kind(cur, addr) -> str:
+    """'none' (no such schema) or 'manifest'; ManifestError for a schema that holds something else."""
+    if cur.execute("SELECT 1 AS ok FROM pg_namespace WHERE nspname = %s", (addr.name,)).fetchone() is None:
+        return "none"
+    if cur.execute("SELECT to_regclass(format('%%I.meta', %s::text)) AS t", (addr.name,)).fetchone()["t"] is None:
+        raise ManifestError(f"schema {addr.name!r} in database {addr.db!r} on {addr.server} exists but holds no dflash "
+                            "manifest: choose another manifest name after '#'")
+    return "manifest"
 
 
 class SampleReader:

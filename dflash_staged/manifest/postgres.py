@@ -36,20 +36,19 @@ shard of its job. The checksum the manifest recorded catches that on read, and t
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from typing import Any, Iterable
 
 import numpy as np
 
 from dflash_staged.manifest.base import Manifest, register_backend
-from dflash_staged.manifest.pg_conn import PgAddress, Session, psycopg
-from dflash_staged.manifest.pg_schema import NOW, SampleReader, create_tables
+from dflash_staged.manifest.pg_conn import PgAddress, Session, driver
+from dflash_staged.manifest.pg_procs import LOCK_NS, Registry
+from dflash_staged.manifest.pg_schema import NOW, SampleReader, create_tables, schema_kind
 from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError,
-                                           Proc, TrainerBusyError, plan_identity)
+                                           NoSuchJobError, Proc, plan_identity)
 from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
 
-LOCK_NS = 0x64666C61  # 'dfla': the first key of this package's advisory locks
 _FREE = "worker=NULL, host=NULL, boot_id=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
 _IN = lambda states: "(" + ",".join(f"'{s}'" for s in states) + ")"  # noqa: E731
 
@@ -64,8 +63,7 @@ class PostgresManifest(Manifest):
         self.addr, self.address, self._s, self.readonly = addr, addr.display, session, readonly
         self._meta: dict[str, Any] | None = None
         self._samples: SampleReader | None = None
-        self._heart: _Heartbeat | None = None
-        self._fence: str | None = None  # this handle's exclusive registration (a trainer's)
+        self._procs = Registry(addr, session, lambda: float(self.meta["config"]["extract"]["lease_s"]), self._event)
 
     # ------------------------------------------------------------------ creation / opening
     @classmethod
@@ -84,14 +82,14 @@ class PostgresManifest(Manifest):
         addr = cls._addr(address)
         s = Session(addr, schema=False)
         try:
-            return s.run(lambda cur, _: _schema_kind(cur, addr)) == "manifest"
+            return s.run(lambda cur, _: schema_kind(cur, addr)) == "manifest"
         finally:
             s.close()
 
     @classmethod
     def _write_new(cls, address, **kw) -> None:
         addr = cls._addr(address)
-        pg = psycopg()
+        pg = driver()
         s = Session(addr, schema=False)
         try:
             s.run(lambda cur, _: create_tables(cur, pg, addr.name, kw))
@@ -111,7 +109,7 @@ class PostgresManifest(Manifest):
         addr = cls._addr(address)
         s = Session(addr, readonly=readonly)
         try:
-            kind = s.run(lambda cur, _: _schema_kind(cur, addr))
+            kind = s.run(lambda cur, _: schema_kind(cur, addr))
             if kind == "none":
                 raise ManifestError(f"no manifest {addr.name!r} in database {addr.db!r} on PostgreSQL server "
                                     f"{addr.server}: run `dflash plan --manifest '{addr.display}'` first (or fix the "
@@ -129,24 +127,17 @@ class PostgresManifest(Manifest):
         return cls(addr, s, readonly)
 
     def close(self) -> None:
-        if self._heart is not None:
-            self._heart.stop.set()
-            self._heart = None
+        self._procs.close()
         self._s.close()
 
     def _run(self, body, fenced: bool = False):
-        if fenced and self._fence:
+        """``body`` in one transaction (:meth:`Session.run`); ``fenced``: a trainer's, checked against its registration."""
+        if fenced and self._procs.fence:
             def checked(cur, again, inner=body):
-                self._check_fence(cur)
+                self._procs.check_fence(cur)
                 return inner(cur, again)
             return self._s.run(checked)
         return self._s.run(body)
-
-    def _check_fence(self, cur) -> None:
-        if _one(cur, "SELECT 1 AS ok FROM procs WHERE id = %s", (self._fence,)) is None:
-            raise ManifestError(f"this trainer's registration on {self.address} lapsed (no heartbeat for longer than "
-                                "the lease, e.g. cut off from the server) and another trainer replaced it: stopping "
-                                "without consuming more; rerun it to resume from its last checkpoint")
 
     def _all(self, q: str, args: tuple = ()) -> list[dict]:
         return self._run(lambda cur, _: cur.execute(q, args).fetchall())
@@ -189,7 +180,7 @@ class PostgresManifest(Manifest):
     def job(self, job_id: int) -> Job:
         rows = self._all("SELECT * FROM jobs WHERE id = %s", (job_id,))
         if not rows:
-            raise ManifestError(f"{self.address}: no job {job_id}")
+            raise NoSuchJobError(f"{self.address}: no job {job_id}")
         return Job.from_row(rows[0])
 
     def jobs(self, state: str | None = None) -> list[Job]:
@@ -406,58 +397,15 @@ class PostgresManifest(Manifest):
         return self._run(body, fenced=True)
 
     # ------------------------------------------------------------------ processes
-    def _proc_lease(self) -> float:
-        return float(self.meta["config"]["extract"]["lease_s"])
-
-    @staticmethod
-    def _alive(p: dict, now: float, lease: float) -> bool:
-        if p["host"] == my_identity()[0]:
-            return pid_alive(p["host"], p["pid"], p["pid_start"], p["boot_id"])
-        return p["heartbeat"] is not None and p["heartbeat"] >= now - lease
-
     def register(self, role: str, *, group_id: str | None = None, rank: int | None = None,
                  info: dict | None = None, exclusive: bool = False) -> str:
-        host, pid, start = my_identity()
-        pid_key, lease = f"{role}:{host}:{pid}:{start}", self._proc_lease()
-        row = (pid_key, role, host, BOOT_ID, pid, start, group_id, rank, json.dumps(info or {}))
-
-        def body(cur, _):
-            cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_NS, self.addr.name + ":procs"))
-            for p in cur.execute(f"SELECT *, {NOW} AS now FROM procs WHERE role = %s", (role,)).fetchall():
-                if not self._alive(p, p["now"], lease):
-                    cur.execute("DELETE FROM procs WHERE id = %s", (p["id"],))
-                elif exclusive and p["group_id"] != group_id and p["id"] != pid_key:
-                    raise TrainerBusyError(
-                        f"another {role} (host {p['host']}, pid {p['pid']}) already uses {self.address}; stop it first, "
-                        "or run both as ranks of one DDP job (torchrun); a process cut off from the server counts as "
-                        f"alive until {lease:.0f} s (extract.lease_s) after its last heartbeat")
-            cur.execute(_INSERT_PROC + " ON CONFLICT (id) DO UPDATE SET heartbeat = EXCLUDED.heartbeat, "
-                        "group_id = EXCLUDED.group_id, rank = EXCLUDED.rank, info = EXCLUDED.info", row)
-            self._event(cur, None, f"start:{role}", json.dumps(info or {}))
-        self._run(body)
-        if exclusive:
-            self._fence = pid_key
-        if self._heart is None:
-            self._heart = _Heartbeat(self.addr, max(0.25, lease / 4))
-            self._heart.start()
-        self._heart.hold(pid_key, row, exclusive)
-        return pid_key
+        return self._procs.register(role, group_id=group_id, rank=rank, info=info, exclusive=exclusive)
 
     def unregister(self, proc_id: str) -> None:
-        if self._heart is not None:
-            self._heart.drop(proc_id)
-        if self._fence == proc_id:
-            self._fence = None
-        self._run(lambda cur, _: cur.execute("DELETE FROM procs WHERE id = %s", (proc_id,)))
+        self._procs.unregister(proc_id)
 
     def live_procs(self, role: str | None = None) -> list[Proc]:
-        lease = self._proc_lease()
-        q, args = (f"SELECT *, {NOW} AS now FROM procs WHERE role = %s", (role,)) if role else \
-            (f"SELECT *, {NOW} AS now FROM procs", ())
-        return [Proc(id=p["id"], role=p["role"], host=p["host"], pid=p["pid"], pid_start=p["pid_start"],
-                     group_id=p["group_id"], rank=p["rank"], info=json.loads(p["info"] or "{}"),
-                     heartbeat=p["heartbeat"])
-                for p in self._all(q, args) if self._alive(p, p["now"], lease)]
+        return self._procs.live(role)
 
     def ever_registered(self, role: str) -> bool:
         return bool(self._all("SELECT 1 AS ok FROM events WHERE kind = %s LIMIT 1", (f"start:{role}",)))
@@ -466,57 +414,5 @@ class PostgresManifest(Manifest):
         self._run(lambda cur, _: self._event(cur, job, kind, detail))
 
 
-_INSERT_PROC = (f"INSERT INTO procs (id, role, host, boot_id, pid, pid_start, group_id, rank, info, started, heartbeat) "
-                f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, {NOW}, {NOW})")
-
-
 def _one(cur, q: str, args: tuple = ()) -> dict | None:
     return cur.execute(q, args).fetchone()
-
-
-def _schema_kind(cur, addr: PgAddress) -> str:
-    """'none' (no such schema), 'manifest', or ManifestError for a schema that is something else."""
-    if _one(cur, "SELECT 1 AS ok FROM pg_namespace WHERE nspname = %s", (addr.name,)) is None:
-        return "none"
-    if _one(cur, "SELECT to_regclass(format('%%I.meta', %s::text)) AS t", (addr.name,))["t"] is None:
-        raise ManifestError(f"schema {addr.name!r} in database {addr.db!r} on {addr.server} exists but holds no dflash "
-                            "manifest: choose another manifest name after '#'")
-    return "manifest"
-
-
-class _Heartbeat(threading.Thread):
-    """Keeps this process's registrations alive (its own connection); see the module docstring."""
-
-    def __init__(self, addr: PgAddress, interval: float):
-        super().__init__(daemon=True, name="manifest-heartbeat")
-        self.addr, self.interval = addr, interval
-        self.stop = threading.Event()
-        self._regs: dict[str, tuple[tuple, bool]] = {}
-        self._lock = threading.Lock()
-
-    def hold(self, pid_key: str, row: tuple, exclusive: bool) -> None:
-        with self._lock:
-            self._regs[pid_key] = (row, exclusive)
-
-    def drop(self, pid_key: str) -> None:
-        with self._lock:
-            self._regs.pop(pid_key, None)
-
-    def _beat(self, cur, _) -> None:
-        with self._lock:
-            regs = list(self._regs.items())
-        for pid_key, (row, exclusive) in regs:
-            if cur.execute(f"UPDATE procs SET heartbeat = {NOW} WHERE id = %s", (pid_key,)).rowcount == 0 \
-                    and not exclusive:  # pruned while this host was cut off: an extractor comes back
-                cur.execute(_INSERT_PROC + " ON CONFLICT (id) DO NOTHING", row)
-
-    def run(self) -> None:
-        session = None
-        while not self.stop.wait(self.interval):
-            try:
-                session = session or Session(self.addr)
-                session.run(self._beat, retry=0)
-            except ManifestError:
-                pass  # unreachable now: try again at the next beat
-        if session is not None:
-            session.close()

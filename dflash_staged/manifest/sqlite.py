@@ -28,8 +28,8 @@ import numpy as np
 
 from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.build import ONE_HOST, check_local_fs, write_manifest_dir
-from dflash_staged.manifest.states import (FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError, Proc,
-                                           TrainerBusyError)
+from dflash_staged.manifest.states import (FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError,
+                                           NoSuchJobError, Proc, TrainerBusyError)
 from dflash_staged.procs import my_identity, pid_alive
 
 _FREE_CLAIM = "worker=NULL, host=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
@@ -156,7 +156,7 @@ class SqliteManifest(Manifest):
     def job(self, job_id: int) -> Job:
         r = self._conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if r is None:
-            raise ManifestError(f"{self.dir}: no job {job_id}")
+            raise NoSuchJobError(f"{self.dir}: no job {job_id}")
         return Job.from_row(r)
 
     def jobs(self, state: str | None = None) -> list[Job]:

@@ -61,6 +61,10 @@ class ManifestError(DflashError):
     """The manifest is missing, inconsistent or refuses an operation."""
 
 
+class NoSuchJobError(ManifestError):
+    """The manifest has no job of that id."""
+
+
 class ManifestMismatchError(ManifestError):
     """An existing manifest was planned from different inputs."""
 
