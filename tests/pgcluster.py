@@ -119,6 +119,13 @@ class PgCluster:
             raise RuntimeError(f"psql {statement!r}: {r.stderr}")
         return r.stdout
 
+    def schemas(self, db: str = "postgres") -> set[str]:
+        return set(self.sql("SELECT nspname FROM pg_namespace", db).split())
+
+    def terminate_clients(self, application: str = "dflash-staged") -> None:
+        """End every session of ``application`` (what a server restart does to them)."""
+        self.sql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{application}'")
+
     def destroy(self) -> None:
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)

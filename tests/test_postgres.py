@@ -12,6 +12,7 @@ import time
 import pytest
 
 from dflash_staged.manifest import Manifest, ManifestError
+from dflash_staged.manifest.pg_conn import DRIVER
 from helpers import ROOT, cli, env, plan, write_config, write_dataset
 from pgcluster import free_port
 
@@ -27,7 +28,7 @@ def error_line(code: int, out: str) -> str:
 
 
 def schemas(pg) -> set[str]:
-    return set(pg.sql("SELECT nspname FROM pg_namespace").split())
+    return pg.schemas()
 
 
 def plan_args(tmp_path, manifest, extra=EXTRA, seed=0):
@@ -122,7 +123,7 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, pg, case):
 
 
 def test_missing_driver_names_the_extra(tmp_path, pg):
-    code = ("import sys; sys.modules['psycopg'] = None; from dflash_staged.cli import main; "
+    code = (f"import sys; sys.modules[{DRIVER!r}] = None; from dflash_staged.cli import main; "
             "main(['status', '--manifest', sys.argv[1]])")
     r = subprocess.run([sys.executable, "-c", code, pg.url()], cwd=ROOT, env=env(), capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
@@ -193,8 +194,7 @@ def test_lost_connection_is_retried_then_stops_naming_the_server(tmp_path, pg, m
 
     def commit():  # the server goes away inside the publish transaction, after the rename
         calls.append(1)
-        pg.sql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'dflash-staged' "
-               f"AND pid <> pg_backend_pid()")
+        pg.terminate_clients()
 
     assert m.publish(job, 10, "c", commit=commit)  # reconnected, finished without renaming twice
     assert calls == [1] and m.job(job.id).state == "written"

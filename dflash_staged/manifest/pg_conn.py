@@ -28,6 +28,7 @@ a transaction that did not commit changed nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -41,8 +42,9 @@ from dflash_staged.manifest.states import ManifestError
 SCHEMES = ("postgresql://", "postgres://")
 RETRY_S = 120.0  # how long a lost connection is retried before the process stops
 CONNECT_TIMEOUT_S = 5
-IDLE_TX_TIMEOUT_S = 30  # a transaction whose client went silent is ended by the server after this
+IDLE_TX_TIMEOUT_S = 15  # a transaction whose client went silent is ended by the server after this
 INSTALL = "pip install 'dflash-staged[postgres]'"
+DRIVER = "psycopg"  # the module of the [postgres] extra
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,63}$")
 
 
@@ -157,9 +159,10 @@ class Session:
         c = self._conn
         return c is None or c.closed or c.broken
 
-    def run(self, body: Callable[[Any, bool], Any], retry: float | None = None):
-        """``body(cursor, is_retry)`` in one transaction; see the module docstring. ``retry`` (seconds)
-        overrides the bound; with 0 a lost connection raises at once and the handle stays usable."""
+    def run(self, body: Callable[[Any, bool], Any], retry: float | None = None, tx: bool = True):
+        """``body(cursor, is_retry)`` in one transaction (with ``tx=False``: each statement its own);
+        see the module docstring. ``retry`` (seconds) overrides the bound; with 0 a lost connection
+        raises at once and the handle stays usable."""
         pg = self._pg
         if self._gone:
             raise ManifestError(self._gone)
@@ -170,7 +173,7 @@ class Session:
                 if self._lost():
                     self.close()
                     self._conn = self._connect()
-                with self._conn.transaction():
+                with self._conn.transaction() if tx else contextlib.nullcontext():
                     with self._conn.cursor() as cur:
                         return body(cur, again)
             except pg.errors.ReadOnlySqlTransaction:

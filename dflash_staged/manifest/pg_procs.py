@@ -18,11 +18,10 @@ import threading
 from typing import Callable
 
 from dflash_staged.manifest.pg_conn import PgAddress, Session
-from dflash_staged.manifest.pg_schema import NOW
+from dflash_staged.manifest.pg_schema import LOCK_NS, NOW
 from dflash_staged.manifest.states import ManifestError, Proc, TrainerBusyError
 from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
 
-LOCK_NS = 0x64666C61  # 'dfla': the first key of this package's advisory locks
 _INSERT = (f"INSERT INTO procs (id, role, host, boot_id, pid, pid_start, group_id, rank, info, started, heartbeat) "
            f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, {NOW}, {NOW})")
 

@@ -35,6 +35,7 @@ from dflash_staged.manifest.build import job_rows, plan_meta
 from dflash_staged.manifest.states import ManifestError
 
 NOW = "extract(epoch from clock_timestamp())"
+LOCK_NS = 0x64666C61  # 'dfla': the first key of this package's advisory locks
 CHUNK = 1 << 22  # elements per row of the samples table (16 MiB of tokens)
 ARRAYS = {"tokens": np.dtype("<i4"), "loss_mask": np.dtype("u1"), "offsets": np.dtype("<i8")}
 
@@ -60,6 +61,48 @@ CREATE TABLE samples (name text NOT NULL, chunk integer NOT NULL, data bytea NOT
 CREATE SEQUENCE written_seq;
 """
 
+# claim_next: the window check and the claim as one server-side statement, so the window lock
+# is held only while the server runs it, never across a network round trip (a client cut off
+# midway cannot stall every other claimer). In READ COMMITTED each statement of a volatile
+# function takes a new snapshot: after the lock, the count sees every claim committed before it.
+CLAIM_FUNCTION = f"""
+CREATE FUNCTION claim_next(p_key integer, p_lock boolean, p_window bigint, p_window_bytes bigint, p_worker text,
+    p_host text, p_boot text, p_pid integer, p_pid_start bigint, p_lease double precision, p_token text,
+    OUT status text, OUT shards bigint, OUT nbytes bigint, OUT job jsonb) LANGUAGE plpgsql AS $$
+DECLARE
+  now_s double precision;
+  pick bigint;
+  bpt bigint;
+BEGIN
+  IF p_lock THEN
+    PERFORM pg_advisory_xact_lock({LOCK_NS}, p_key);
+  END IF;
+  now_s := {NOW};
+  WITH gone AS (
+    UPDATE jobs SET state = 'pending', worker = NULL, host = NULL, boot_id = NULL, pid = NULL, pid_start = NULL,
+                    lease_until = NULL, updated = now_s
+    WHERE id IN (SELECT id FROM jobs WHERE state = 'claimed' AND lease_until < now_s FOR UPDATE SKIP LOCKED)
+    RETURNING id)
+  INSERT INTO events (t, job, kind, detail) SELECT now_s, id, 'reclaim', 'lease expired' FROM gone;
+  bpt := COALESCE((SELECT value::bigint FROM meta WHERE key = 'bytes_per_token'), 0);
+  SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 'claimed' THEN real_tokens::bigint * bpt
+                                     ELSE COALESCE(shard_bytes, 0) END), 0)
+    INTO shards, nbytes FROM jobs WHERE state IN ('claimed', 'written', 'consumed');
+  SELECT id INTO pick FROM jobs WHERE state = 'pending' ORDER BY epoch, pos LIMIT 1 FOR UPDATE SKIP LOCKED;
+  IF pick IS NULL THEN
+    status := CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state IN ('pending', 'claimed')) THEN 'none' ELSE 'done' END;
+  ELSIF shards >= p_window OR (p_window_bytes > 0 AND nbytes >= p_window_bytes) THEN
+    status := 'full';
+  ELSE
+    UPDATE jobs SET state = 'claimed', worker = p_worker, host = p_host, boot_id = p_boot, pid = p_pid,
+                    pid_start = p_pid_start, lease_until = now_s + p_lease, attempts = attempts + 1, updated = now_s,
+                    op_token = p_token
+      WHERE id = pick RETURNING to_jsonb(jobs.*) INTO job;
+    status := 'claimed';
+  END IF;
+END $$
+"""
+
 
 def create_tables(cur, pg, name: str, plan_kw: dict) -> None:
     """CREATE SCHEMA name and fill it (the caller's transaction makes it atomic)."""
@@ -68,6 +111,7 @@ def create_tables(cur, pg, name: str, plan_kw: dict) -> None:
     cur.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(name)))
     for stmt in filter(str.strip, DDL.split(";")):
         cur.execute(stmt)
+    cur.execute(CLAIM_FUNCTION)
     samples = plan_kw["samples"]
     for array, dtype in ARRAYS.items():
         data = np.ascontiguousarray(getattr(samples, array), dtype=dtype)

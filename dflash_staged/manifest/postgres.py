@@ -43,7 +43,7 @@ import numpy as np
 
 from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.pg_conn import PgAddress, Session, driver
-from dflash_staged.manifest.pg_procs import LOCK_NS, Registry
+from dflash_staged.manifest.pg_procs import Registry
 from dflash_staged.manifest.pg_schema import NOW, SampleReader, create_tables, schema_kind
 from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError,
                                            NoSuchJobError, Proc, plan_identity)
@@ -233,20 +233,14 @@ class PostgresManifest(Manifest):
         return [(Job.from_row(r), r["error"]) for r in self._all("SELECT * FROM jobs WHERE state = 'failed' ORDER BY id")]
 
     # ------------------------------------------------------------------ extract side
-    def _reclaim(self, cur) -> int:
-        rows = cur.execute(f"SELECT id, host, boot_id, pid, pid_start, lease_until < {NOW} AS expired FROM jobs "
-                           f"WHERE state = 'claimed' AND (lease_until < {NOW} OR host = %s) FOR UPDATE SKIP LOCKED",
-                           (my_identity()[0],)).fetchall()
-        gone = [(r["id"], "lease expired" if r["expired"] else f"worker pid {r['pid']} is gone") for r in rows
-                if r["expired"] or not pid_alive(r["host"], r["pid"], r["pid_start"], r["boot_id"])]
-        if gone:
-            cur.execute(f"UPDATE jobs SET state = 'pending', {_FREE}, updated = {NOW} WHERE id = ANY(%s)",
-                        ([i for i, _ in gone],))
-            cur.executemany(f"INSERT INTO events (t, job, kind, detail) VALUES ({NOW}, %s, 'reclaim', %s)", gone)
-        return len(gone)
-
     def reclaim_stale(self) -> int:
-        return self._run(lambda cur, _: self._reclaim(cur), fenced=True)
+        def body(cur, _):
+            n = self._reclaim_dead_here(cur)
+            return n + cur.execute(
+                f"WITH gone AS (UPDATE jobs SET state = 'pending', {_FREE}, updated = {NOW} WHERE id IN (SELECT id FROM "
+                f"jobs WHERE state = 'claimed' AND lease_until < {NOW} FOR UPDATE SKIP LOCKED) RETURNING id) "
+                f"INSERT INTO events (t, job, kind, detail) SELECT {NOW}, id, 'reclaim', 'lease expired' FROM gone").rowcount
+        return self._s.run(body, tx=False)
 
     def claim(self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0) -> ClaimResult:
         host, pid, start = my_identity()
@@ -257,23 +251,26 @@ class PostgresManifest(Manifest):
                 r = _one(cur, "SELECT * FROM jobs WHERE op_token = %s AND state = 'claimed'", (token,))
                 if r is not None:
                     return ClaimResult(Job.from_row(r), window=self._window(cur))
-            if self.CLAIM_LOCK == "advisory":
-                cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_NS, self.addr.name + ":window"))
-            self._reclaim(cur)
-            w = self._window(cur)
-            row = _one(cur, "SELECT id FROM jobs WHERE state = 'pending' ORDER BY epoch, pos LIMIT 1 "
-                            "FOR UPDATE SKIP LOCKED")
-            if row is None:
-                left = _one(cur, "SELECT COUNT(*) AS n FROM jobs WHERE state IN ('pending', 'claimed')")["n"]
-                return ClaimResult(None, window=w, nothing_left=left == 0)
-            if w["shards"] >= window or (window_bytes and w["bytes"] >= window_bytes):
-                return ClaimResult(None, window_full=True, window=w)
-            r = _one(cur, f"UPDATE jobs SET state = 'claimed', worker = %s, host = %s, boot_id = %s, pid = %s, "
-                          f"pid_start = %s, lease_until = {NOW} + %s, attempts = attempts + 1, updated = {NOW}, "
-                          "op_token = %s WHERE id = %s RETURNING *",
-                     (worker, host, BOOT_ID, pid, start, float(lease_s), token, row["id"]))
-            return ClaimResult(Job.from_row(r), window=w)
-        return self._run(body)
+            self._reclaim_dead_here(cur)
+            r = _one(cur, "SELECT * FROM claim_next(hashtext(%s), %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                     (self.addr.name + ":window", self.CLAIM_LOCK == "advisory", window, window_bytes or 0, worker,
+                      host, BOOT_ID, pid, start, float(lease_s), token))
+            w = {"shards": int(r["shards"]), "bytes": int(r["nbytes"])}
+            if r["status"] != "claimed":
+                return ClaimResult(None, window=w, window_full=r["status"] == "full", nothing_left=r["status"] == "done")
+            return ClaimResult(Job.from_row(r["job"]), window=w)
+        return self._s.run(body, tx=False)  # statements of their own: no lock outlives a round trip
+
+    def _reclaim_dead_here(self, cur) -> int:
+        """Claims of this host's processes that are gone, back to pending (a statement of its own)."""
+        host = my_identity()[0]
+        dead = [(r["id"], r["pid"]) for r in cur.execute(
+            "SELECT id, pid, pid_start, boot_id FROM jobs WHERE state = 'claimed' AND host = %s", (host,)).fetchall()
+            if not pid_alive(host, r["pid"], r["pid_start"], r["boot_id"])]
+        return sum(cur.execute(f"WITH gone AS (UPDATE jobs SET state = 'pending', {_FREE}, updated = {NOW} WHERE id = %s "
+                               "AND state = 'claimed' AND host = %s AND pid = %s RETURNING id) INSERT INTO events (t, "
+                               f"job, kind, detail) SELECT {NOW}, id, 'reclaim', %s FROM gone",
+                               (job_id, host, pid, f"worker pid {pid} is gone")).rowcount for job_id, pid in dead)
 
     @staticmethod
     def _owned(cur, job: Job) -> bool:
