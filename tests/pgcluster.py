@@ -167,7 +167,10 @@ if pytest is not None:
         yield cluster
         cluster.destroy()
 
-    @pytest.fixture(params=["sqlite", "postgres"])
+    BOTH = ["sqlite", "postgres"]  # for @pytest.mark.parametrize("backend", ..., indirect=True)
+    PG_SLOW = ["sqlite", pytest.param("postgres", marks=pytest.mark.slow)]  # the PostgreSQL variant is `slow`
+
+    @pytest.fixture(params=BOTH)
     def backend(request):
         """Each manifest backend in turn: ``backend.name``, and ``backend.address(tmp_path, name)``."""
         cluster = request.getfixturevalue("pg") if request.param == "postgres" else None

@@ -117,6 +117,8 @@ class Publisher:
             elif not self._m.publish(job, result.info.nbytes, result.info.checksum,
                                      commit=lambda: self.store.commit_staged(result)):
                 self.store.discard_staged(result)  # the claim was lost: never publish
+                print(f"extract: job {job.id}: this worker's claim was lost (lease expired, the job went to another "
+                      "worker); its shard was discarded", file=sys.stderr, flush=True)
         finally:
             self.lease.drop(job)
 

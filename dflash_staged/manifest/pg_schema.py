@@ -34,7 +34,7 @@ import numpy as np
 from dflash_staged.manifest.build import job_rows, plan_meta
 from dflash_staged.manifest.states import ManifestError
 
-NOW = "extract(epoch from clock_timestamp())"
+NOW = "extract(epoch from clock_timestamp())::float8"
 LOCK_NS = 0x64666C61  # 'dfla': the first key of this package's advisory locks
 CHUNK = 1 << 22  # elements per row of the samples table (16 MiB of tokens)
 ARRAYS = {"tokens": np.dtype("<i4"), "loss_mask": np.dtype("u1"), "offsets": np.dtype("<i8")}
