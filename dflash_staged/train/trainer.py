@@ -113,7 +113,8 @@ def build_trainer(opts: TrainOptions) -> Trainer:
     m = Manifest.open(opts.manifest, readonly=opts.replay)
     cfg = setup.run_config(m, opts)
     opts.out.mkdir(parents=True, exist_ok=True)
-    ckpt.cleanup_tmp(opts.out)
+    if dist.rank == 0:  # the one writer of checkpoints (on a shared filesystem, ranks of other nodes see them too)
+        ckpt.cleanup_tmp(opts.out)
     if not opts.replay:
         m.register("train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)})
         setup.check_window(m, cfg, dist.world)

@@ -11,6 +11,7 @@ left in the store, and the window never exceeded (sampled throughout).
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,3 +186,45 @@ def test_database_restarted_mid_run(tmp_path, pg, hosts):
         run.stop()
     assert "lost the connection to PostgreSQL server" in run.logs()
     run.check()
+
+
+def test_trainer_ranks_on_two_nodes(tmp_path, pg):
+    """`torchrun --nnodes 2` (gloo on localhost), each node its own host name: both ranks admit disjoint
+    shards from the shared store; rank 0 writes the manifest, checkpoints and deletes shards."""
+    import sys
+
+    from helpers import ROOT
+    from pgcluster import free_port
+    url = plan(tmp_path, n=32, epochs=2, extra=EXTRA, manifest=pg.url())
+    store, run_dir = tmp_path / "store", tmp_path / "run"
+    env = hooked_env(fake_target={"hidden": HIDDEN, "delay_s": 0.05})
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # the node names resolve nowhere: rendezvous on the loopback
+    port = free_port()
+    procs = [start(["extract", "--manifest", url, "--store", store, "--devices", "cpu", "--window", WINDOW],
+                   tmp_path / "extract.log", env)]
+    for rank in (0, 1):
+        cmd = ["unshare", "--uts", "sh", "-c", f'hostname node-{rank} && exec "$0" "$@"', sys.executable, "-m",
+               "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "dflash_staged", "train", "--manifest",
+               url, "--store", str(store), "--out", str(run_dir), "--device", "cpu"]
+        with open(tmp_path / f"node{rank}.log", "w") as f:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
+    m = Manifest.open(url, readonly=True)
+    seen = set()
+    try:
+        t0 = time.time()
+        while any(p.poll() is None for p in procs):
+            assert time.time() - t0 < 300, "the run did not finish"
+            seen |= {(p.host, p.rank) for p in m.live_procs("train")}
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("*.log")))
+    assert all(p.returncode == 0 for p in procs) and "Traceback" not in logs, logs[-4000:]
+    assert seen == {("node-0", 0), ("node-1", 1)}, seen
+    state = assert_exactly_once(url, run_dir)
+    assert {int(j[1]) for items in state["consumed"].values() for j in items} == {0, 1}
+    m.close()
+    assert_all_released_and_clean(url, store, run_dir)
