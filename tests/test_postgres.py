@@ -213,3 +213,14 @@ def test_lost_connection_is_retried_then_stops_naming_the_server(tmp_path, pg, m
     finally:
         pg.start()
     m.close()
+
+
+def test_launchers_take_a_manifest_address(tmp_path, pg):
+    from test_launch import dry, flag, proc_line
+    url = pg.url()
+    lines = dry("pipeline", "--config", "configs/tiny.toml", "--data", "d.jsonl", "--workdir", str(tmp_path / "w"),
+                "--manifest", url)
+    for name in ("plan", "extract", "train"):
+        assert flag(proc_line(lines, name)[1], "--manifest") == url
+    assert flag(proc_line(lines, "extract")[1], "--store") == str(tmp_path / "w" / "store")
+    assert not (tmp_path / "w").exists()
