@@ -61,19 +61,19 @@ class PgCluster:
             cmd = ["runuser", "-u", self.user, "--"] + cmd
         return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=120)
 
-    def init(self) -> "PgCluster":
+    def init(self, durable: bool = False) -> "PgCluster":
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
         hba = self.data / "pg_hba.conf"
         hba.write_text("local all all trust\n"
                        "host all pwuser 127.0.0.1/32 scram-sha-256\n"
                        "host all all 127.0.0.1/32 trust\n"
                        "host all all 10.231.0.0/16 trust\n")
-        # A test server: durability costs (fsync) off; the server is only ever stopped, never the
-        # host (committed data survives `-m immediate` in the page cache). See docs/multinode.md
-        # for the settings a real run needs.
+        # A test server: durability costs (fsync) off unless `durable`; the server is only ever stopped,
+        # never the host (committed data survives `-m immediate` in the page cache). See
+        # docs/multinode.md for the settings a real run needs.
         with open(self.data / "postgresql.conf", "a") as f:
-            f.write("\nfsync = off\nfull_page_writes = off\nmax_connections = 200\nshared_buffers = 64MB\n"
-                    "unix_socket_directories = ''\n")
+            f.write(("" if durable else "\nfsync = off\nfull_page_writes = off") + "\nmax_connections = 200\n"
+                    "shared_buffers = 64MB\nunix_socket_directories = ''\n")
         return self
 
     def start(self) -> None:
@@ -131,12 +131,12 @@ class PgCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_cluster() -> PgCluster:
+def start_cluster(durable: bool = False) -> PgCluster:
     bindir = find_bindir()
     if bindir is None:
         raise FileNotFoundError(f"no PostgreSQL server binaries (initdb, pg_ctl); install the {PACKAGE!r} package "
                                 f"(apt-get install {PACKAGE}) or set PG_BINDIR")
-    c = PgCluster(bindir).init()
+    c = PgCluster(bindir).init(durable)
     c.start()
     c.sql("CREATE ROLE pwuser LOGIN PASSWORD 'right'")
     return c

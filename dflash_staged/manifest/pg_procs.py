@@ -116,6 +116,7 @@ class _Heartbeat(threading.Thread):
             self._regs.pop(pid_key, None)
 
     def _beat(self, cur, _) -> None:
+        cur.execute("SET LOCAL synchronous_commit TO off")  # a heartbeat lost in a crash is only a late one
         for pid_key, (row, exclusive) in self._regs.items():
             if cur.execute(f"UPDATE procs SET heartbeat = {NOW} WHERE id = %s", (pid_key,)).rowcount == 0 \
                     and not exclusive:  # dropped while this host was cut off: an extractor comes back

@@ -65,6 +65,9 @@ CREATE SEQUENCE written_seq;
 # is held only while the server runs it, never across a network round trip (a client cut off
 # midway cannot stall every other claimer). In READ COMMITTED each statement of a volatile
 # function takes a new snapshot: after the lock, the count sees every claim committed before it.
+# Its commit does not wait for the WAL flush (synchronous_commit off), so the lock is not held
+# through an fsync: a claim lost in a server crash only returns its job to pending, and the
+# worker's publish is then refused; any later synchronous commit (a publish) flushes it first.
 CLAIM_FUNCTION = f"""
 CREATE FUNCTION claim_next(p_key integer, p_lock boolean, p_window bigint, p_window_bytes bigint, p_worker text,
     p_host text, p_boot text, p_pid integer, p_pid_start bigint, p_lease double precision, p_token text,
@@ -74,6 +77,7 @@ DECLARE
   pick bigint;
   bpt bigint;
 BEGIN
+  PERFORM set_config('synchronous_commit', 'off', true);
   IF p_lock THEN
     PERFORM pg_advisory_xact_lock({LOCK_NS}, p_key);
   END IF;
