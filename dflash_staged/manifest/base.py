@@ -149,12 +149,22 @@ class Manifest(abc.ABC):
         """Every job (or those in ``state``), in id order."""
 
     @abc.abstractmethod
+    def _query(self, sql: str) -> Iterable[Any]:
+        """The rows (mappings) of one read-only SQL query without parameters."""
+
+    def _by_state(self, expr: str) -> dict[str, int]:
+        out = dict.fromkeys(STATES, 0)
+        for r in self._query(f"SELECT state, {expr} AS n FROM jobs GROUP BY state"):
+            out[r["state"]] = int(r["n"] or 0)
+        return out
+
     def counts(self) -> dict[str, int]:
         """Jobs per state (every state in :data:`STATES`, zeros included)."""
+        return self._by_state("COUNT(*)")
 
-    @abc.abstractmethod
     def tokens_by_state(self) -> dict[str, int]:
         """Real tokens per state (zeros included)."""
+        return self._by_state("SUM(real_tokens)")
 
     @abc.abstractmethod
     def window(self) -> dict[str, int]:

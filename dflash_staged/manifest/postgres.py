@@ -45,7 +45,7 @@ from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.pg_conn import PgAddress, Session, driver
 from dflash_staged.manifest.pg_procs import Registry
 from dflash_staged.manifest.pg_schema import NOW, SampleReader, create_tables, schema_kind
-from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError,
+from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, IN_WINDOW, ClaimResult, Job, ManifestError,
                                            NoSuchJobError, Proc, plan_identity)
 from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
 
@@ -188,17 +188,8 @@ class PostgresManifest(Manifest):
             ("SELECT * FROM jobs ORDER BY id", ())
         return [Job.from_row(r) for r in self._all(q, args)]
 
-    def _by_state(self, expr: str) -> dict[str, int]:
-        out = dict.fromkeys(STATES, 0)
-        for r in self._all(f"SELECT state, {expr} AS n FROM jobs GROUP BY state"):
-            out[r["state"]] = int(r["n"] or 0)
-        return out
-
-    def counts(self) -> dict[str, int]:
-        return self._by_state("COUNT(*)")
-
-    def tokens_by_state(self) -> dict[str, int]:
-        return self._by_state("SUM(real_tokens)")
+    def _query(self, sql: str) -> list[dict]:
+        return self._all(sql)
 
     @staticmethod
     def _window(cur) -> dict[str, int]:

@@ -28,7 +28,7 @@ import numpy as np
 
 from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.build import ONE_HOST, check_local_fs, write_manifest_dir
-from dflash_staged.manifest.states import (FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError,
+from dflash_staged.manifest.states import (FORMAT_VERSION, IN_WINDOW, ClaimResult, Job, ManifestError,
                                            NoSuchJobError, Proc, TrainerBusyError)
 from dflash_staged.procs import my_identity, pid_alive
 
@@ -165,17 +165,8 @@ class SqliteManifest(Manifest):
             q, args = q + " WHERE state = ?", (state,)
         return [Job.from_row(r) for r in self._conn.execute(q + " ORDER BY id", args)]
 
-    def _by_state(self, expr: str) -> dict[str, int]:
-        out = dict.fromkeys(STATES, 0)
-        for r in self._conn.execute(f"SELECT state, {expr} AS n FROM jobs GROUP BY state"):
-            out[r["state"]] = int(r["n"] or 0)
-        return out
-
-    def counts(self) -> dict[str, int]:
-        return self._by_state("COUNT(*)")
-
-    def tokens_by_state(self) -> dict[str, int]:
-        return self._by_state("SUM(real_tokens)")
+    def _query(self, sql: str) -> list[sqlite3.Row]:
+        return self._conn.execute(sql).fetchall()
 
     def window(self, conn: sqlite3.Connection | None = None) -> dict[str, int]:
         c = conn or self._conn
