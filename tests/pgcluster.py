@@ -139,6 +139,7 @@ def start_cluster(durable: bool = False) -> PgCluster:
     c = PgCluster(bindir).init(durable)
     c.start()
     c.sql("CREATE ROLE pwuser LOGIN PASSWORD 'right'")
+    c.sql("CREATE ROLE noperm LOGIN")  # may connect, may not create schemas
     return c
 
 

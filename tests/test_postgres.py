@@ -81,8 +81,8 @@ def test_same_jobs_and_status_as_sqlite(tmp_path, pg):
         assert (a.sample_lengths() == b.sample_lengths()).all()
 
 
-@pytest.mark.parametrize("case", ["credentials", "no_database", "not_planned", "other_plan", "not_a_manifest",
-                                  "no_name", "bad_name", "unknown_scheme"])
+@pytest.mark.parametrize("case", ["credentials", "no_database", "no_privilege", "not_planned", "other_plan",
+                                  "not_a_manifest", "no_name", "bad_name", "unknown_scheme"])
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, pg, case):
     before = schemas(pg)
     name = f"bad_{case}_{os.getpid()}"
@@ -92,6 +92,9 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, pg, case):
     elif case == "no_database":
         args = plan_args(tmp_path, pg.url(name, db="nosuchdb"))
         want = ["database 'nosuchdb' does not exist", "createdb"]
+    elif case == "no_privilege":
+        args = plan_args(tmp_path, pg.url(name, user="noperm"))
+        want = ["user 'noperm' may not create the manifest schema", "GRANT CREATE ON DATABASE postgres"]
     elif case == "not_planned":
         args = ["status", "--manifest", pg.url(name)]
         want = [f"no manifest '{name}' in database 'postgres'", "run `dflash plan --manifest"]

@@ -235,12 +235,12 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
         target = load_target(cfg.target, device, layer_ids=m.meta.get("layer_ids") or None,
                              num_draft_layers=cfg.drafter.num_hidden_layers)
         store = open_store_for(m, opts.store, target, cfg)
+        lease = Lease(opts)
+        publisher = Publisher(opts, store, lease)
+        lease.start()
     except DflashError as e:
         status_q.put(("error", rank, str(e)))
         sys.exit(EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR)
-    lease = Lease(opts)
-    publisher = Publisher(opts, store, lease)
-    lease.start()
     code = 0
     try:
         _loop(m, target, publisher, lease, opts, rank, status_q,

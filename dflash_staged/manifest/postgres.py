@@ -5,13 +5,15 @@ connections, retrying a lost connection; :mod:`.pg_schema`: the layout, and why 
 in the database). It implements the state machine of :mod:`.states` with the same job ids and the
 same ``status --json`` as the SQLite backend; what differs is how hosts share it:
 
-- **claim** takes a transaction-scoped advisory lock on the manifest's window
-  (``pg_advisory_xact_lock``), reclaims stale claims, checks the window and claims the first
-  pending job (``FOR UPDATE SKIP LOCKED``), in one transaction. Only a claim grows the window, so
-  serialising claims makes the window check exact across hosts. Row locks with ``SKIP LOCKED``
-  alone would let two claimers both see room for one job and both claim it:
-  ``bench/manifest_bench.py`` measures both (the lock costs little; the overshoot is real).
-  Every other transition locks only the rows it changes and never waits on the window lock.
+- **claim** returns this host's dead processes' claims to pending, then runs the server-side
+  function ``claim_next`` (:mod:`.pg_schema`) as one statement: a transaction-scoped advisory lock
+  on the manifest's window (``pg_advisory_xact_lock``), expired leases reclaimed, the window
+  checked, the first pending job claimed (``FOR UPDATE SKIP LOCKED``). Only a claim grows the
+  window, so serialising claims makes the window check exact across hosts; the lock is never held
+  across a network round trip. Row locks with ``SKIP LOCKED`` alone would let two claimers both
+  see room for one job and both claim it: ``bench/manifest_bench.py`` measures both (the lock
+  costs little; the overshoot is real). Every other transition locks only the rows it changes
+  and never waits on the window lock.
 - **take** uses ``FOR UPDATE SKIP LOCKED``, so trainer ranks on different hosts admit disjoint shards.
 - **Liveness.** A claim records host name, boot id, pid and start time, and a lease deadline on the
   server's clock. Anyone reclaims an expired lease; a claim whose process is gone is reclaimable at
@@ -45,8 +47,8 @@ from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.pg_conn import PgAddress, Session, driver
 from dflash_staged.manifest.pg_procs import Registry
 from dflash_staged.manifest.pg_schema import NOW, SampleReader, create_tables, schema_kind
-from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, IN_WINDOW, ClaimResult, Job, ManifestError,
-                                           NoSuchJobError, Proc, plan_identity)
+from dflash_staged.manifest.states import (EXTRACTED, IN_WINDOW, ClaimResult, Job, ManifestError, NoSuchJobError,
+                                           Proc, check_format_version, plan_identity)
 from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
 
 _FREE = "worker=NULL, host=NULL, boot_id=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
@@ -115,15 +117,10 @@ class PostgresManifest(Manifest):
                                     f"{addr.server}: run `dflash plan --manifest '{addr.display}'` first (or fix the "
                                     "name after '#')")
             version = s.run(lambda cur, _: _one(cur, "SELECT value FROM meta WHERE key='format_version'"))
+            check_format_version(json.loads(version["value"]) if version else None, addr.display)
         except BaseException:
             s.close()
             raise
-        version = json.loads(version["value"]) if version else None
-        if version != FORMAT_VERSION:
-            s.close()
-            raise ManifestError(f"{addr.display} has manifest format_version {version}; this dflash-staged reads "
-                                f"version {FORMAT_VERSION}: re-plan it with this version (or use the version that "
-                                "wrote it)")
         return cls(addr, s, readonly)
 
     def close(self) -> None:

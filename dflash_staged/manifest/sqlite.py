@@ -28,8 +28,8 @@ import numpy as np
 
 from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.build import ONE_HOST, check_local_fs, write_manifest_dir
-from dflash_staged.manifest.states import (FORMAT_VERSION, IN_WINDOW, ClaimResult, Job, ManifestError,
-                                           NoSuchJobError, Proc, TrainerBusyError)
+from dflash_staged.manifest.states import (IN_WINDOW, ClaimResult, Job, ManifestError, NoSuchJobError, Proc,
+                                           TrainerBusyError, check_format_version)
 from dflash_staged.procs import my_identity, pid_alive
 
 _FREE_CLAIM = "worker=NULL, host=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
@@ -98,11 +98,11 @@ class SqliteManifest(Manifest):
             row = conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
         except sqlite3.DatabaseError as e:
             raise ManifestError(f"{db} cannot be opened ({e}); {ONE_HOST}") from None
-        version = json.loads(row["value"]) if row else None
-        if version != FORMAT_VERSION:
+        try:
+            check_format_version(json.loads(row["value"]) if row else None, dir)
+        except ManifestError:
             conn.close()
-            raise ManifestError(f"{dir} has manifest format_version {version}; this dflash-staged reads version "
-                                f"{FORMAT_VERSION}: re-plan it with this version (or use the version that wrote it)")
+            raise
         return cls(dir, conn, readonly)
 
     def close(self) -> None:

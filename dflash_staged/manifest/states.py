@@ -127,6 +127,13 @@ class Proc:
     heartbeat: float | None = None  # last heartbeat (the manifest's clock), where the backend keeps one
 
 
+def check_format_version(version, where) -> None:
+    """ManifestError unless a manifest's recorded ``format_version`` is the one this code reads."""
+    if version != FORMAT_VERSION:
+        raise ManifestError(f"{where} has manifest format_version {version}; this dflash-staged reads version "
+                            f"{FORMAT_VERSION}: re-plan it with this version (or use the version that wrote it)")
+
+
 def group_counts(counts: Mapping[str, int]) -> dict[str, int]:
     """Jobs per named group (:data:`GROUPS`) from jobs per state."""
     return {name: sum(counts.get(s, 0) for s in states) for name, states in GROUPS.items()}
