@@ -88,6 +88,12 @@ class Host:
         _ip("link", "del", self.veth, check=False)
 
 
+def can_rename_host() -> str | None:
+    """None if `unshare --uts` works here (root), else why not."""
+    r = subprocess.run(["unshare", "--uts", "true"], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"unshare --uts: {r.stderr.strip() or r.returncode}"
+
+
 def make_hosts(names: list[str]) -> list[Host]:
     """Hosts on /30 subnets of 10.231.0.0/16 that no interface here uses yet."""
     used = _ip("-o", "-4", "addr").stdout

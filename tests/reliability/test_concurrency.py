@@ -22,6 +22,7 @@ from dflash_staged.manifest import Manifest, TrainerBusyError
 from dflash_staged.store import ShardStore
 from helpers import ROOT, plan
 from helpers import run, start
+from pgcluster import PG_SLOW
 from rel_helpers import hooked_env
 from dflash_fault_hooks import expected_hidden  # noqa: E402 - on sys.path via rel_helpers
 
@@ -40,6 +41,7 @@ def check_shard(store: ShardStore, m: Manifest, job) -> None:
     assert torch.equal(shard.hidden, expected_hidden(ids, len(m.meta["layer_ids"]), HIDDEN))
 
 
+@pytest.mark.parametrize("backend", PG_SLOW, indirect=True)  # default suite: test_manifest's 8 claimers, test_multihost
 def test_eight_extract_processes_write_every_job_exactly_once(tmp_path, backend):
     mdir, store_dir = plan(tmp_path, n=160, epochs=2, extra=EXTRA, manifest=backend.address(tmp_path)), tmp_path / "store"
     log = tmp_path / "commits.log"
