@@ -22,12 +22,15 @@ def main() -> None:
 
 # --- commands are added below, one block per command -------------------------------------
 
+MANIFEST_HELP = "Manifest: a directory (SQLite, one host) or postgresql://USER@HOST:PORT/DB#NAME (many hosts)."
+
 
 @main.command("plan")
 @click.option("--config", "config_path", required=True, help="Config TOML, e.g. configs/tiny.toml.")
 @click.option("--data", "data_path", required=True,
               help="JSONL (input_ids/loss_mask, messages or conversations), parquet, or a saved dataset directory.")
-@click.option("--manifest", "manifest_dir", default=None, help="Manifest directory [default: manifests/<config stem>].")
+@click.option("--manifest", "manifest_dir", default=None,
+              help=MANIFEST_HELP + " [default: manifests/<config stem>]")
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True, help="Epochs to plan.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the job order.")
 @click.option("--skip-bad", is_flag=True, help="Count and skip bad records instead of stopping at the first.")
@@ -69,7 +72,7 @@ def data_show(config_path, data_path, num, lines, html_path, color, skip_bad):
 
 
 @main.command("status")
-@click.option("--manifest", "manifest_dir", required=True, help="Manifest directory.")
+@click.option("--manifest", "manifest_dir", required=True, help=MANIFEST_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with --jobs: a JSON array of jobs).")
 @click.option("--jobs", "list_jobs", is_flag=True, help="List every job: id, epoch, bucket, sample_ids, state.")
 @user_errors
@@ -96,7 +99,7 @@ def status_cmd(manifest_dir, as_json, list_jobs):
 
 
 @main.command()
-@click.option("--manifest", "manifest_dir", required=True, type=click.Path(path_type=Path), help="Manifest directory.")
+@click.option("--manifest", "manifest_dir", required=True, help=MANIFEST_HELP)
 @click.option("--store", "store_dir", required=True, type=click.Path(path_type=Path), help="Shard store (zarr) on NVMe.")
 @click.option("--devices", default="cpu", show_default=True, help="One worker per device: cuda:0,cuda:1 or cpu,cpu.")
 @click.option("--window", type=int, default=None, help="Max shards claimed/written/consumed but not released.")
@@ -120,7 +123,7 @@ def extract(manifest_dir, store_dir, devices, window, window_bytes, train_ranks,
 
 
 @main.command()
-@click.option("--manifest", "manifest_dir", required=True, type=click.Path(path_type=Path), help="Manifest directory.")
+@click.option("--manifest", "manifest_dir", required=True, help=MANIFEST_HELP)
 @click.option("--store", "store_dir", required=True, type=click.Path(path_type=Path), help="Shard store written by extract.")
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Run directory (checkpoints, metrics).")
 @click.option("--replay", is_flag=True, help="Train offline from kept shards: no tailing, no manifest writes.")

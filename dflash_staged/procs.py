@@ -1,8 +1,10 @@
-"""Process identity on this host: (host, pid, start time), since pids are reused; and process lifetime.
+"""Process identity: (host, pid, start time), since pids are reused; the host's boot id; process lifetime.
 
 The manifest records it for claims and for running extract/train processes; a claim or a
-process is dead when its pid is gone, reused (another start time) or a zombie. Liveness can
-only be proven on the same host: elsewhere a claim waits for its lease to expire.
+process is dead when its pid is gone, reused (another start time) or a zombie, or when it was
+recorded on this host name in another boot (:data:`BOOT_ID`, ``/proc/sys/kernel/random/boot_id``:
+the host rebooted since). Liveness can only be proven on the same host: elsewhere a claim waits
+for its lease to expire.
 """
 
 from __future__ import annotations
@@ -13,6 +15,17 @@ import signal
 import socket
 
 HOST = socket.gethostname()
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+BOOT_ID = _boot_id()  # changes at every boot: with HOST, a host identity that survives reboots
 
 
 def process_start_time(pid: int) -> int | None:
@@ -34,10 +47,13 @@ def my_identity() -> tuple[str, int, int]:
     return HOST, pid, process_start_time(pid) or 0
 
 
-def pid_alive(host: str | None, pid: int | None, start: int | None) -> bool:
-    """True unless we can prove the process is gone (only provable on this host)."""
+def pid_alive(host: str | None, pid: int | None, start: int | None, boot_id: str | None = None) -> bool:
+    """True unless we can prove the process is gone (only provable on this host; a ``boot_id``
+    other than this boot's proves it: the host rebooted since)."""
     if host != HOST or pid is None:
         return True
+    if boot_id and BOOT_ID and boot_id != BOOT_ID:
+        return False
     now_start = process_start_time(pid)
     if now_start is None:
         return False

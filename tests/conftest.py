@@ -16,3 +16,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+from pgcluster import backend, pg  # noqa: E402,F401 - fixtures: a throwaway PostgreSQL server, each backend

@@ -59,11 +59,12 @@ def cli(*args) -> tuple[int, str]:
 
 
 def plan(tmp_path: Path, n: int = 24, epochs: int = 1, extra: str = "", seed: int = 0, hi: int = 200,
-         name: str = "manifest") -> Path:
-    """Plan ``n`` token-id samples with the tiny config (+ ``extra`` TOML) into ``tmp_path/name``."""
+         name: str = "manifest", manifest=None) -> Path:
+    """Plan ``n`` token-id samples with the tiny config (+ ``extra`` TOML) into ``tmp_path/name``
+    (or into the manifest address ``manifest``, e.g. a postgresql:// one)."""
     data = write_dataset(tmp_path / "data.jsonl", n=n, seed=seed, hi=hi)
     cfg = write_config(tmp_path / "cfg.toml", extra)
-    out = tmp_path / name
+    out = tmp_path / name if manifest is None else manifest
     code, text = cli("plan", "--config", cfg, "--data", data, "--manifest", out, "--epochs", epochs, "--seed", seed)
     assert code == 0, text
     return out

@@ -35,30 +35,39 @@ def fake_inputs(n_batches=6, epochs=1, per_batch=2, seed=0):
     return samples, plan
 
 
-def make(tmp_path, name="m", **kw):
+def make(at, name="m", **kw):
+    """A manifest at ``at`` (a directory's parent, or a backend's address maker)."""
     samples, plan = fake_inputs(**kw)
-    return Manifest.create(tmp_path / name, config=Config(), samples=samples, plan=plan, data_path="d.jsonl",
+    address = at(name) if callable(at) else at / name
+    return Manifest.create(address, config=Config(), samples=samples, plan=plan, data_path="d.jsonl",
                            data_hash="h")
 
 
-def test_create_is_atomic_and_idempotent(tmp_path):
-    m = make(tmp_path, n_batches=5, epochs=2)
+@pytest.fixture
+def at(backend, tmp_path):
+    """Where the parametrized backend puts a manifest named ``name`` (the same address for the same name)."""
+    made: dict = {}
+    return lambda name: made.setdefault(name, backend.address(tmp_path, name))
+
+
+def test_create_is_atomic_and_idempotent(at, tmp_path):
+    m = make(at, n_batches=5, epochs=2)
     assert m.counts()["pending"] == 10
     assert sorted(j.id for j in m.jobs()) == list(range(10))
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-    again = make(tmp_path, n_batches=5, epochs=2)
+    again = make(at, n_batches=5, epochs=2)
     assert again.manifest_id == m.manifest_id
     samples, plan = fake_inputs(n_batches=5, epochs=2)
     cfg = Config()
     cfg.data.max_len = 1024
     with pytest.raises(ManifestMismatchError, match="data.max_len"):
-        Manifest.create(tmp_path / "m", config=cfg, samples=samples, plan=plan, data_path="d", data_hash="h")
+        Manifest.create(at("m"), config=cfg, samples=samples, plan=plan, data_path="d", data_hash="h")
     tok, mask = m.sample(3)
     assert tok.dtype == np.int32 and len(tok) == 8 and mask.all()
 
 
-def test_claim_order_window_and_publish(tmp_path):
-    m = make(tmp_path, n_batches=4, epochs=2)
+def test_claim_order_window_and_publish(at, tmp_path):
+    m = make(at, n_batches=4, epochs=2)
     got = []
     for _ in range(3):
         r = m.claim("w0", window=3)
@@ -77,8 +86,8 @@ def test_claim_order_window_and_publish(tmp_path):
     assert not m.extract_done()
 
 
-def test_lost_claim_cannot_publish(tmp_path):
-    m = make(tmp_path)
+def test_lost_claim_cannot_publish(at, tmp_path):
+    m = make(at)
     j = m.claim("w0", window=10, lease_s=0.01).job
     time.sleep(0.05)
     j2 = m.claim("w1", window=10).job  # reclaims the expired lease first, in manifest order
@@ -88,19 +97,19 @@ def test_lost_claim_cannot_publish(tmp_path):
     assert any(e["kind"] == "reclaim" for e in m.events())
 
 
-def test_dead_pid_is_reclaimed_at_once(tmp_path):
-    m = make(tmp_path)
+def test_dead_pid_is_reclaimed_at_once(at, tmp_path):
+    m = make(at)
     code = ("import sys; from dflash_staged.manifest import Manifest; m = Manifest.open(sys.argv[1]);"
             "print(m.claim('dead', window=10, lease_s=3600).job.id, flush=True)")
-    out = subprocess.run([sys.executable, "-c", code, str(m.dir)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code, str(m.address)], capture_output=True, text=True, check=True)
     dead_job = int(out.stdout)
     assert m.counts()["claimed"] == 1
     r = m.claim("alive", window=10)
     assert r.job.id == dead_job
 
 
-def test_failed_after_max_attempts_and_abandon(tmp_path):
-    m = make(tmp_path, n_batches=2)
+def test_failed_after_max_attempts_and_abandon(at, tmp_path):
+    m = make(at, n_batches=2)
     for i in range(3):
         j = m.claim("w", window=10).job
         assert j.id == 0
@@ -127,11 +136,11 @@ def _claimer(path, out_q):
     out_q.put(mine)
 
 
-def test_eight_processes_claim_each_job_once(tmp_path):
-    m = make(tmp_path, n_batches=50, epochs=2)
+def test_eight_processes_claim_each_job_once(at, tmp_path):
+    m = make(at, n_batches=50, epochs=2)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_claimer, args=(str(m.dir), q)) for _ in range(8)]
+    procs = [ctx.Process(target=_claimer, args=(str(m.address), q)) for _ in range(8)]
     for p in procs:
         p.start()
     results = [q.get(timeout=120) for _ in procs]
@@ -142,8 +151,8 @@ def test_eight_processes_claim_each_job_once(tmp_path):
     assert m.counts()["written"] == 100 and m.extract_done()
 
 
-def test_requeue_and_resume_trainer(tmp_path):
-    m = make(tmp_path, n_batches=6)
+def test_requeue_and_resume_trainer(at, tmp_path):
+    m = make(at, n_batches=6)
     jobs = []
     for _ in range(6):
         j = m.claim("w", window=10).job
@@ -166,11 +175,11 @@ def test_requeue_and_resume_trainer(tmp_path):
     assert m.status()["requeued"] == {"corrupt": 1}
 
 
-def test_second_trainer_refused(tmp_path):
-    m = make(tmp_path)
+def test_second_trainer_refused(at, tmp_path):
+    m = make(at)
     code = ("import sys, time; from dflash_staged.manifest import Manifest; m = Manifest.open(sys.argv[1]);"
             "m.register('train', group_id='A', exclusive=True); print('ok', flush=True); time.sleep(60)")
-    p = subprocess.Popen([sys.executable, "-c", code, str(m.dir)], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", code, str(m.address)], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "ok"
         with pytest.raises(TrainerBusyError, match=f"pid {p.pid}"):
@@ -182,12 +191,12 @@ def test_second_trainer_refused(tmp_path):
     m.register("train", group_id="B", exclusive=True)  # the first one is dead now
 
 
-def test_another_format_version_is_refused_on_open(tmp_path):
-    m = make(tmp_path)
+def test_another_format_version_is_refused_on_open(at, tmp_path):
+    m = make(at)
     m.set_meta("format_version", 99)  # a manifest written by a later version
     m.close()
     with pytest.raises(ManifestError, match="format_version 99"):
-        Manifest.open(tmp_path / "m")
+        Manifest.open(at("m"))
 
 
 def test_paths_with_hash_and_question_marks_are_plain_paths(tmp_path):

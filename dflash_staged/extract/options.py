@@ -16,7 +16,7 @@ EXIT_ERROR = 2
 
 @dataclass
 class ExtractOptions:
-    manifest: Path
+    manifest: str | Path  # a manifest address (see dflash_staged.manifest)
     store: Path
     devices: list[str]
     window: int
@@ -42,7 +42,7 @@ def parse_devices(devices: str) -> list[str]:
     return devs
 
 
-def options_from(manifest: Path, store: Path, devices: str, cfg: ExtractConfig, *, window=None, window_bytes=None,
+def options_from(manifest: str | Path, store: Path, devices: str, cfg: ExtractConfig, *, window=None, window_bytes=None,
                  allow_slow_kernels=False, dtype=None, train_ranks=1, lease_s=None) -> ExtractOptions:
     """Command-line values over the manifest's ``[extract]`` snapshot."""
     return ExtractOptions(manifest=manifest, store=store, devices=parse_devices(devices),

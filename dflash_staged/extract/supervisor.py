@@ -128,9 +128,10 @@ def _watch(m: Manifest, opts: ExtractOptions, workers, codes: dict, messages: li
 
 
 def _remove_dead_leftovers(opts: ExtractOptions, m: Manifest) -> None:
-    """Remove the temporary shards of dead writers (a worker killed mid-write leaves one behind)."""
+    """Remove the temporary shards of dead writers (a worker killed mid-write leaves one behind; on a
+    shared store, those of other hosts' writers whose claims were lost)."""
     if ShardStore.exists(opts.store):
-        ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id}).cleanup_temp()
+        ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id}).cleanup_temp(claimed=m.holds_claim)
 
 
 def _drain_status(q, messages: list[str]) -> None:

@@ -70,14 +70,23 @@ class Lease(threading.Thread):
         with self.lock:
             return list(self.jobs.values())
 
+    def start(self) -> None:
+        self._m = Manifest.open(self.opts.manifest)  # here, so that a bad manifest fails the worker's start
+        super().start()
+
     def run(self) -> None:
-        m = Manifest.open(self.opts.manifest)
-        while not self.stop.wait(max(0.05, self.opts.lease_s / 3)):
-            for job in self.held():
-                if not m.extend_lease(job, self.opts.lease_s):
-                    with self.lock:
-                        self.lost.add(job.id)
-        m.close()
+        m = self._m
+        try:
+            while not self.stop.wait(max(0.05, self.opts.lease_s / 3)):
+                for job in self.held():
+                    if not m.extend_lease(job, self.opts.lease_s):
+                        with self.lock:
+                            self.lost.add(job.id)
+        except DflashError:  # the manifest is gone for good (its server, for longer than the retry bound)
+            with self.lock:
+                self.lost.update(self.jobs)
+        finally:
+            m.close()
 
 
 class Publisher:
@@ -87,7 +96,7 @@ class Publisher:
         from dflash_staged.extract.writer import ShardWriter
         self.opts, self.store, self.lease = opts, store, lease
         self.writer = ShardWriter(store, max_pending=max_pending, stage_only=True)
-        self._m: Manifest | None = None  # the writer thread's own manifest handle
+        self._m = Manifest.open(opts.manifest)  # the writer thread's own handle (opened now: it may not open later)
 
     @property
     def error(self) -> BaseException | None:
@@ -100,8 +109,6 @@ class Publisher:
                            on_done=lambda result, job=job: self._done(job, result))
 
     def _done(self, job: Job, result) -> None:  # runs on the writer thread
-        if self._m is None:
-            self._m = Manifest.open(self.opts.manifest)
         try:
             if isinstance(result, StoreFullError):
                 self._m.give_back(job, f"disk full: {result}")
@@ -110,12 +117,17 @@ class Publisher:
             elif not self._m.publish(job, result.info.nbytes, result.info.checksum,
                                      commit=lambda: self.store.commit_staged(result)):
                 self.store.discard_staged(result)  # the claim was lost: never publish
+                print(f"extract: job {job.id}: this worker's claim was lost (lease expired, the job went to another "
+                      "worker); its shard was discarded", file=sys.stderr, flush=True)
         finally:
             self.lease.drop(job)
 
     def close(self) -> None:
         """Wait for every submitted shard; re-raise the first write error."""
-        self.writer.close()
+        try:
+            self.writer.close()
+        finally:
+            self._m.close()
 
 
 def batch_tensors(m: Manifest, job: Job):
@@ -223,12 +235,12 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
         target = load_target(cfg.target, device, layer_ids=m.meta.get("layer_ids") or None,
                              num_draft_layers=cfg.drafter.num_hidden_layers)
         store = open_store_for(m, opts.store, target, cfg)
+        lease = Lease(opts)
+        publisher = Publisher(opts, store, lease)
+        lease.start()
     except DflashError as e:
         status_q.put(("error", rank, str(e)))
         sys.exit(EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR)
-    lease = Lease(opts)
-    publisher = Publisher(opts, store, lease)
-    lease.start()
     code = 0
     try:
         _loop(m, target, publisher, lease, opts, rank, status_q,
@@ -243,7 +255,10 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
         except BaseException:  # noqa: BLE001
             pass
         lease.stop.set()
-        for job in lease.held():  # claimed, never handed to the writer (it had failed): give them back
-            m.give_back(job, "worker stopped before writing it")
+        try:
+            for job in lease.held():  # claimed, never handed to the writer (it had failed): give them back
+                m.give_back(job, "worker stopped before writing it")
+        except DflashError:
+            pass  # the manifest is unreachable: those claims return to pending when their leases expire
         m.close()
     sys.exit(code)

@@ -22,6 +22,8 @@ def _common(fn):
                      help="Data to plan: JSONL, parquet or a saved dataset (as for dflash plan)."),
         click.option("--workdir", required=True, type=click.Path(path_type=Path),
                      help="Holds manifest/, store/ (shards; put it on NVMe) and run/ (checkpoints, metrics)."),
+        click.option("--manifest", default=None,
+                     help="Manifest address instead of WORKDIR/manifest, e.g. postgresql://USER@HOST:PORT/DB#NAME."),
         click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True),
         click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
         click.option("--window", type=click.IntRange(min=1), default=None,
@@ -71,7 +73,7 @@ _CTX = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 @_common
 @click.option("--devices", default="cpu", show_default=True, help="Extract workers: cpu, cpu,cpu or cuda:0,...")
 @user_errors
-def pipeline(config, data, workdir, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels,
+def pipeline(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels,
              status_every, summary_json, dry_run, train_args, devices):
     """Plan if needed, then extract on --devices and train, side by side.
 
@@ -79,7 +81,7 @@ def pipeline(config, data, workdir, epochs, seed, window, window_bytes, keep_sha
     """
     layout = pipeline_layout(config, data, workdir, devices=devices, epochs=epochs, seed=seed, window=window,
                              window_bytes=window_bytes, keep_shards=keep_shards,
-                             allow_slow_kernels=allow_slow_kernels, train_args=train_args)
+                             allow_slow_kernels=allow_slow_kernels, train_args=train_args, manifest=manifest)
     sys.exit(_run_layout(layout, status_every, summary_json, dry_run))
 
 
@@ -92,7 +94,7 @@ def pipeline(config, data, workdir, epochs, seed, window, window_bytes, keep_sha
                    "an 8B dense target in bf16 on an H100-class GPU].")
 @click.option("--hidden-size", type=int, default=None, help="Target hidden size, when it cannot be read offline.")
 @user_errors
-def node(config, data, workdir, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels,
+def node(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels,
          status_every, summary_json, dry_run, train_args, extract_gpus, train_gpus, target_tok_s, hidden_size):
     """One GPU node: extract on --extract-gpus, train under torchrun on --train-gpus, side by side.
 
@@ -102,5 +104,5 @@ def node(config, data, workdir, epochs, seed, window, window_bytes, keep_shards,
                          seed=seed, window=window, window_bytes=window_bytes, keep_shards=keep_shards,
                          allow_slow_kernels=allow_slow_kernels,
                          target_tok_s=target_tok_s or DEFAULT_TARGET_TOK_S, hidden_size=hidden_size,
-                         train_args=train_args)
+                         train_args=train_args, manifest=manifest)
     sys.exit(_run_layout(layout, status_every, summary_json, dry_run))

@@ -39,15 +39,16 @@ def _si(n: float) -> str:
 
 
 def disk_requirements(config: Path, n_gpus: int, tok_s_per_gpu: float, hidden_override: int | None,
-                      manifest: Path | None, window: int | None, itemsize: int | None = None) -> tuple[dict, list[str]]:
+                      manifest: Path | str | None, window: int | None,
+                      itemsize: int | None = None) -> tuple[dict, list[str]]:
     """Bytes/token, write + read bandwidth and window disk of a node layout: (numbers, printable lines).
     `itemsize` defaults to the target dtype on CUDA (auto = bfloat16: 2 bytes)."""
     from dflash_staged.config import load_config
     cfg = load_config(config)
     itemsize = itemsize or {"float32": 4}.get(cfg.target.dtype, 2)
     layer_ids, avg_tokens, exact = None, float(cfg.data.token_budget), False
-    if manifest is not None and (Path(manifest) / "manifest.db").is_file():
-        from dflash_staged.manifest import Manifest
+    from dflash_staged.manifest import Manifest
+    if manifest is not None and Manifest.exists(manifest):
         with Manifest.open(manifest, readonly=True) as m:
             layer_ids = m.meta.get("layer_ids")
             avg_tokens = m.meta["tokens_real"] / max(1, m.meta["n_batches"])

@@ -39,10 +39,11 @@ class Layout:
     extract: Proc
     train: Proc
     disk_notes: Callable[[], list[str]] | None = None  # printed after planning (node: bandwidth, window disk)
+    manifest_address: str | None = None  # --manifest (e.g. postgresql://...); default WORKDIR/manifest
 
     @property
-    def manifest(self) -> Path:
-        return self.workdir / "manifest"
+    def manifest(self) -> Path | str:
+        return self.manifest_address or self.workdir / "manifest"
 
     @property
     def store(self) -> Path:
@@ -57,7 +58,7 @@ def dflash_cmd(*args: str) -> list[str]:
     return [PY, "-m", "dflash_staged", *map(str, args)]
 
 
-def plan_cmd_if_needed(config: Path, data: Path, manifest: Path, epochs: int, seed: int) -> list[str] | None:
+def plan_cmd_if_needed(config: Path, data: Path, manifest: Path | str, epochs: int, seed: int) -> list[str] | None:
     """The `dflash plan` command, or None when `manifest` already holds this plan (the same config,
     data, epochs and seed: the manifest's own check). A plan of anything else is an error naming
     the differences (extract and train read the plan from the manifest, so an edited config or new
@@ -76,8 +77,8 @@ def plan_cmd_if_needed(config: Path, data: Path, manifest: Path, epochs: int, se
         try:
             m.check_same_plan(wanted)
         except ManifestMismatchError as e:
-            raise DflashError(f"{e}; or use another --workdir (delete {manifest.parent / 'store'} and "
-                              f"{manifest.parent / 'run'} with it)") from None
+            raise DflashError(f"{e}; or use another --workdir (and manifest; delete the old store and run "
+                              "directories with it)") from None
     return None
 
 
@@ -105,10 +106,11 @@ BASE_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 def pipeline_layout(config: Path, data: Path, workdir: Path, *, devices: str = "cpu", epochs: int = 1,
                     seed: int = 0, window=None, window_bytes=None, keep_shards: bool = False,
-                    allow_slow_kernels: bool = False, train_args: tuple[str, ...] = ()) -> Layout:
+                    allow_slow_kernels: bool = False, train_args: tuple[str, ...] = (),
+                    manifest: str | None = None) -> Layout:
     """Plan if needed, then extract on `devices` and train (on CPU when every extract device is)."""
     workdir = Path(workdir)
-    m, s, r = workdir / "manifest", workdir / "store", workdir / "run"
+    m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
     extra = tuple(train_args)
     env_ex, env_tr = dict(BASE_ENV), dict(BASE_ENV)
     cpu_devs = [d for d in devices.split(",") if d.strip() == "cpu"]
@@ -122,7 +124,8 @@ def pipeline_layout(config: Path, data: Path, workdir: Path, *, devices: str = "
         env_tr["OMP_NUM_THREADS"] = str(half)
     return Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
                   Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels), env_ex),
-                  Proc("train", [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)], env_tr))
+                  Proc("train", [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)], env_tr),
+                  manifest_address=manifest)
 
 
 def parse_gpus(text: str, flag: str) -> list[str]:
@@ -143,7 +146,7 @@ def parse_gpus(text: str, flag: str) -> list[str]:
 def node_layout(config: Path, data: Path, workdir: Path, *, extract_gpus: str, train_gpus: str, epochs: int = 1,
                 seed: int = 0, window=None, window_bytes=None, keep_shards: bool = False,
                 allow_slow_kernels: bool = False, target_tok_s: float = DEFAULT_TARGET_TOK_S,
-                hidden_size: int | None = None, train_args: tuple[str, ...] = ()) -> Layout:
+                hidden_size: int | None = None, train_args: tuple[str, ...] = (), manifest: str | None = None) -> Layout:
     """One node: extract workers on `extract_gpus`, torchrun trainer ranks on `train_gpus`."""
     ex, tr = parse_gpus(extract_gpus, "--extract-gpus"), parse_gpus(train_gpus, "--train-gpus")
     both = sorted(set(ex) & set(tr), key=int)
@@ -151,7 +154,7 @@ def node_layout(config: Path, data: Path, workdir: Path, *, extract_gpus: str, t
         raise DflashError(f"GPU(s) {','.join(both)} are in both --extract-gpus and --train-gpus; give each stage "
                           "its own GPUs (use bin/pipeline to share one)")
     workdir = Path(workdir)
-    m, s, r = workdir / "manifest", workdir / "store", workdir / "run"
+    m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
     devices = ",".join(f"cuda:{i}" for i in range(len(ex)))
     g = len(tr)
     train = _train_args(m, s, r, keep_shards, tuple(train_args))
@@ -164,6 +167,7 @@ def node_layout(config: Path, data: Path, workdir: Path, *, extract_gpus: str, t
                     Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g),
                          {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(ex)}),
                     Proc("train", train_cmd, {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(tr),
-                                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}))
+                                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}),
+                    manifest_address=manifest)
     layout.disk_notes = lambda: disk_requirements(config, len(ex), target_tok_s, hidden_size, m, window)[1]
     return layout

@@ -17,7 +17,7 @@ from dflash_staged.manifest.status import human_bytes as human
 class Monitor:
     """Read-only view of the manifest and the store size, for the status line and the summary."""
 
-    def __init__(self, manifest: Path | None, store: Path | None, run_dir: Path | None):
+    def __init__(self, manifest: Path | str | None, store: Path | None, run_dir: Path | None):
         self.manifest, self.store, self.run_dir = manifest, store, run_dir
         self.m = None
         self.peak_store = self.last_store = 0
@@ -102,7 +102,8 @@ def summary(say, mon: "Monitor", code: int, plan_s: float, ex, tr, total_s: floa
          "tokens_extracted": tok["extracted"], "tokens_trained": tok["trained"],
          "peak_store_bytes": mon.peak_store, "peak_window": mon.peak_window, "steps": steps,
          "loss_first": first, "loss_last": last,
-         "manifest": str(mon.manifest) if mon.manifest else None, "store": str(mon.store) if mon.store else None,
+         "manifest": mon.m.address if mon.m else (str(mon.manifest) if mon.manifest else None),
+         "store": str(mon.store) if mon.store else None,
          "run_dir": str(mon.run_dir) if mon.run_dir else None}
     say(f"summary: exit {code} | plan {plan_s:.1f} s, extract {ex.seconds():.1f} s (exit {ex.exit_code()}), "
         f"train {tr.seconds():.1f} s (exit {tr.exit_code()}), total {total_s:.1f} s")

@@ -2,13 +2,15 @@
 
 The job state machine is specified in :mod:`dflash_staged.manifest.states`; the operations
 every stage uses are those of :class:`Manifest` (:mod:`dflash_staged.manifest.base`), whose
-``open``/``create`` pick the backend from the address. No code outside this package reads or
-writes job state.
+``open``/``create`` pick the backend from the address: a directory is the SQLite manifest of one
+host (:mod:`.sqlite`), ``postgresql://USER@HOST:PORT/DB#NAME`` a manifest that many hosts share
+(:mod:`.postgres`). No code outside this package reads or writes job state.
 """
 
 from dflash_staged.manifest.base import Manifest  # noqa: F401
 from dflash_staged.manifest.build import ONE_HOST  # noqa: F401
 from dflash_staged.manifest.sqlite import SqliteManifest  # noqa: F401 (registers the embedded backend)
+from dflash_staged.manifest.postgres import PostgresManifest  # noqa: F401 (registers postgresql:// addresses)
 from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, GROUPS, IN_WINDOW, STATES,  # noqa: F401
                                            TO_EXTRACT, TRAINED, ClaimResult, Job, ManifestError,
                                            ManifestMismatchError, Proc, TrainerBusyError, diff_dicts,

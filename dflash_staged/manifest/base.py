@@ -11,13 +11,15 @@ The job state machine these operations implement is specified in
 from __future__ import annotations
 
 import abc
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from dflash_staged.config import Config, config_from_dict
-from dflash_staged.manifest.states import (STATES, ClaimResult, Job, ManifestError, ManifestMismatchError, Proc,
+from dflash_staged.manifest.states import (STATES, ClaimResult, Job, ManifestError, ManifestMismatchError,
+                                           NoSuchJobError, Proc,
                                            diff_dicts, group_counts, plan_identity)
 
 
@@ -147,12 +149,22 @@ class Manifest(abc.ABC):
         """Every job (or those in ``state``), in id order."""
 
     @abc.abstractmethod
+    def _query(self, sql: str) -> Iterable[Any]:
+        """The rows (mappings) of one read-only SQL query without parameters."""
+
+    def _by_state(self, expr: str) -> dict[str, int]:
+        out = dict.fromkeys(STATES, 0)
+        for r in self._query(f"SELECT state, {expr} AS n FROM jobs GROUP BY state"):
+            out[r["state"]] = int(r["n"] or 0)
+        return out
+
     def counts(self) -> dict[str, int]:
         """Jobs per state (every state in :data:`STATES`, zeros included)."""
+        return self._by_state("COUNT(*)")
 
-    @abc.abstractmethod
     def tokens_by_state(self) -> dict[str, int]:
         """Real tokens per state (zeros included)."""
+        return self._by_state("SUM(real_tokens)")
 
     @abc.abstractmethod
     def window(self) -> dict[str, int]:
@@ -195,7 +207,43 @@ class Manifest(abc.ABC):
             "failed": [{"id": j.id, "error": e} for j, e in self.failed_errors()],
             "processes": [{"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank}
                           for p in self.live_procs()],
+            "hosts": self.hosts(),
         }
+
+    def now(self) -> float:
+        """The manifest's clock, in which leases and heartbeats are kept (this host's, or the server's)."""
+        return time.time()
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """Per host: its live processes (with the age of their last heartbeat, where kept) and its
+        extract workers' claims with the seconds left on their leases; in ``status``."""
+        now, out = self.now(), {}
+
+        def entry(host):
+            return out.setdefault(host, {"host": host, "processes": [], "workers": []})
+        for p in self.live_procs():
+            entry(p.host)["processes"].append({"role": p.role, "pid": p.pid, "rank": p.rank, "heartbeat_age_s":
+                                               None if p.heartbeat is None else round(now - p.heartbeat, 1)})
+        workers: dict[tuple, dict] = {}
+        for j in self.jobs("claimed"):
+            w = workers.setdefault((j.host, j.worker, j.pid), {"worker": j.worker, "pid": j.pid, "jobs": [],
+                                                              "lease_left_s": None})
+            w["jobs"].append(j.id)
+            if j.lease_until is not None:
+                left = round(j.lease_until - now, 1)
+                w["lease_left_s"] = left if w["lease_left_s"] is None else min(w["lease_left_s"], left)
+        for (host, _, _), w in sorted(workers.items(), key=lambda kv: str(kv[0])):
+            entry(host)["workers"].append(w)
+        return [out[h] for h in sorted(out, key=str)]
+
+    def holds_claim(self, job_id: int, host: str, pid: int) -> bool:
+        """Whether process ``pid`` on ``host`` still holds the claim on job ``job_id`` (a staged shard
+        of another host whose claim it no longer holds is an orphan)."""
+        try:
+            j = self.job(job_id)
+        except NoSuchJobError:
+            return False
+        return j.state == "claimed" and j.host == host and j.pid == pid
 
     @abc.abstractmethod
     def failed_errors(self) -> list[tuple[Job, str]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -27,8 +28,8 @@ import numpy as np
 
 from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.build import ONE_HOST, check_local_fs, write_manifest_dir
-from dflash_staged.manifest.states import (FORMAT_VERSION, IN_WINDOW, STATES, ClaimResult, Job, ManifestError, Proc,
-                                           TrainerBusyError)
+from dflash_staged.manifest.states import (IN_WINDOW, ClaimResult, Job, ManifestError, NoSuchJobError, Proc,
+                                           TrainerBusyError, check_format_version)
 from dflash_staged.procs import my_identity, pid_alive
 
 _FREE_CLAIM = "worker=NULL, host=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
@@ -53,22 +54,30 @@ class SqliteManifest(Manifest):
         return True  # any path (asked last)
 
     @classmethod
+    def _dir(cls, address) -> Path:
+        """The directory; a URL of a kind no backend takes is an error, never a directory named after it."""
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(address)):
+            raise ManifestError(f"manifest address {str(address)!r}: unknown kind of URL; a manifest is a directory "
+                                "(SQLite, one host) or postgresql://USER@HOST:PORT/DB#NAME")
+        return Path(address)
+
+    @classmethod
     def _exists(cls, address) -> bool:
-        d = Path(address)
+        d = cls._dir(address)
         if d.is_dir() and not any(d.iterdir()):
             return False  # an empty directory (e.g. made by the user) counts as no manifest
         return d.exists()
 
     @classmethod
     def _write_new(cls, address, **kw) -> None:
-        d = Path(address)
+        d = cls._dir(address)
         if d.is_dir() and not any(d.iterdir()):
             d.rmdir()
         write_manifest_dir(d, **kw)
 
     @classmethod
     def _open(cls, address, readonly: bool) -> "SqliteManifest":
-        dir = Path(address)
+        dir = cls._dir(address)
         db = dir / "manifest.db"
         if not db.is_file():
             raise ManifestError(f"no manifest at {dir} (missing {db.name}); run `dflash plan --manifest {dir}` first")
@@ -89,11 +98,11 @@ class SqliteManifest(Manifest):
             row = conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
         except sqlite3.DatabaseError as e:
             raise ManifestError(f"{db} cannot be opened ({e}); {ONE_HOST}") from None
-        version = json.loads(row["value"]) if row else None
-        if version != FORMAT_VERSION:
+        try:
+            check_format_version(json.loads(row["value"]) if row else None, dir)
+        except ManifestError:
             conn.close()
-            raise ManifestError(f"{dir} has manifest format_version {version}; this dflash-staged reads version "
-                                f"{FORMAT_VERSION}: re-plan it with this version (or use the version that wrote it)")
+            raise
         return cls(dir, conn, readonly)
 
     def close(self) -> None:
@@ -147,7 +156,7 @@ class SqliteManifest(Manifest):
     def job(self, job_id: int) -> Job:
         r = self._conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if r is None:
-            raise ManifestError(f"{self.dir}: no job {job_id}")
+            raise NoSuchJobError(f"{self.dir}: no job {job_id}")
         return Job.from_row(r)
 
     def jobs(self, state: str | None = None) -> list[Job]:
@@ -156,17 +165,8 @@ class SqliteManifest(Manifest):
             q, args = q + " WHERE state = ?", (state,)
         return [Job.from_row(r) for r in self._conn.execute(q + " ORDER BY id", args)]
 
-    def _by_state(self, expr: str) -> dict[str, int]:
-        out = dict.fromkeys(STATES, 0)
-        for r in self._conn.execute(f"SELECT state, {expr} AS n FROM jobs GROUP BY state"):
-            out[r["state"]] = int(r["n"] or 0)
-        return out
-
-    def counts(self) -> dict[str, int]:
-        return self._by_state("COUNT(*)")
-
-    def tokens_by_state(self) -> dict[str, int]:
-        return self._by_state("SUM(real_tokens)")
+    def _query(self, sql: str) -> list[sqlite3.Row]:
+        return self._conn.execute(sql).fetchall()
 
     def window(self, conn: sqlite3.Connection | None = None) -> dict[str, int]:
         c = conn or self._conn

@@ -61,6 +61,10 @@ class ManifestError(DflashError):
     """The manifest is missing, inconsistent or refuses an operation."""
 
 
+class NoSuchJobError(ManifestError):
+    """The manifest has no job of that id."""
+
+
 class ManifestMismatchError(ManifestError):
     """An existing manifest was planned from different inputs."""
 
@@ -120,6 +124,14 @@ class Proc:
     group_id: str | None
     rank: int | None
     info: dict
+    heartbeat: float | None = None  # last heartbeat (the manifest's clock), where the backend keeps one
+
+
+def check_format_version(version, where) -> None:
+    """ManifestError unless a manifest's recorded ``format_version`` is the one this code reads."""
+    if version != FORMAT_VERSION:
+        raise ManifestError(f"{where} has manifest format_version {version}; this dflash-staged reads version "
+                            f"{FORMAT_VERSION}: re-plan it with this version (or use the version that wrote it)")
 
 
 def group_counts(counts: Mapping[str, int]) -> dict[str, int]:

@@ -21,7 +21,9 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
     from dflash_staged.model.target import resolve_layer_ids
 
     cfg = load_config(config_path)
-    manifest_dir = Path(manifest_dir) if manifest_dir else Path("manifests") / Path(config_path).stem
+    # An address, not necessarily a path: Path() would fold postgresql:// into a directory "postgresql:".
+    manifest_dir = str(manifest_dir) if manifest_dir else str(Path("manifests") / Path(config_path).stem)
+    existed = Manifest.exists(manifest_dir)  # a bad address fails here, before the data is read
     dims = target_dims(cfg.target)
     layer_ids = resolve_layer_ids(cfg.target, dims.num_layers, cfg.drafter.num_hidden_layers)
     vocab, mask_id = dims.vocab_size, cfg.drafter.mask_token_id
@@ -31,14 +33,13 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
     chat = ChatOptions.from_config(cfg.data)
     samples, data_hash = load_dataset(data_path, cfg, skip_bad=skip_bad, progress=progress, chat=chat)
     plan = make_plan(samples.lengths(), cfg, epochs, seed)
-    existed = Manifest.exists(manifest_dir)
     # meta "chat": how conversations were rendered; the trainer copies it into checkpoints for eval
     with Manifest.create(manifest_dir, config=cfg, samples=samples, plan=plan,
                          data_path=str(Path(data_path).resolve()), data_hash=data_hash, layer_ids=layer_ids,
-                         extra_meta={"chat": chat.record()}):
-        pass
-    head = (f"{manifest_dir} already holds this plan (same config, data, epochs and seed); nothing to do"
-            if existed else f"planned {manifest_dir}")
+                         extra_meta={"chat": chat.record()}) as m:
+        where = m.address
+    head = (f"{where} already holds this plan (same config, data, epochs and seed); nothing to do"
+            if existed else f"planned {where}")
     return head + "\n" + format_plan_summary(samples, plan, str(data_path), cfg.data.max_len,
                                               cfg.min_loss_tokens, layer_ids)
 

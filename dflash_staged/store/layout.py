@@ -43,7 +43,8 @@ complete shard or none (``write_shard`` = ``stage_shard`` + ``commit_staged``; e
 the two steps separately, committing under the manifest's lock). Deletion renames to
 ``.del~...`` first. The store itself is created in
 ``.{name}.tmp~...`` next to it and renamed into place. Leftovers of dead writers (pid not alive
-on this host) are removed by :meth:`ShardStore.cleanup_temp`, which ``create_or_open`` runs.
+on this host) are removed by :meth:`ShardStore.cleanup_temp`, which ``create_or_open`` runs; on a
+store shared by several hosts, another host's leftovers go once the manifest shows its claim lost.
 
 Reading one shard with plain zarr and numpy::
 
@@ -381,12 +382,21 @@ class ShardStore:
         fsync_dir(d.parent)
         shutil.rmtree(gone, ignore_errors=True)
 
-    def cleanup_temp(self, stale_s: float = 86400.0) -> int:
-        """Remove temp/deletion leftovers whose writer is dead (this host) or older than ``stale_s`` (other hosts)."""
+    def cleanup_temp(self, stale_s: float = 86400.0, claimed=None) -> int:
+        """Remove temp/deletion leftovers whose writer is dead (this host) or older than ``stale_s`` (other
+        hosts). With ``claimed(job_id, host, pid)`` (whether that process still holds the job's claim: the
+        manifest knows), another host's deletion leftovers, and its staged shards whose claim it lost, go at once."""
+        def orphan(kind: str, label: str, host: str, pid: int) -> bool:
+            if claimed is None:
+                return False
+            if kind == "del":
+                return True  # a deletion renames first: what is left is never needed again
+            return kind == "tmp" and label[:1] == "j" and label[1:].isdigit() and not claimed(int(label[1:]), host, pid)
+
         removed = 0
         for edir in (self.root / "shards").glob("e*"):
             for entry in edir.glob(".*~*"):
-                if owner_dead(entry.name, stale_s, entry):
+                if owner_dead(entry.name, stale_s, entry, orphan):
                     if entry.is_dir():
                         shutil.rmtree(entry, ignore_errors=True)
                     else:

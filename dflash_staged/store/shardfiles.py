@@ -148,12 +148,16 @@ def temp_name(kind: str, label: str) -> str:
     return f".{kind}~{label}~{os.getpid()}~{secrets.token_hex(4)}~{HOST}"
 
 
-def owner_dead(name: str, stale_s: float, path: Path) -> bool:
-    """Is the process that made temp entry ``name`` gone? Unknown hosts count as dead once stale."""
+def owner_dead(name: str, stale_s: float, path: Path, orphan=None) -> bool:
+    """Is the process that made temp entry ``name`` gone? Unknown hosts count as dead once stale, or
+    when ``orphan(kind, label, host, pid)`` (the caller's knowledge, e.g. the manifest's) says so."""
     parts = name.rsplit("~", 3)  # prefix, pid, token, host
     if len(parts) != 4 or not parts[1].isdigit():
         return False
     if parts[3] != HOST:
+        kind, _, label = parts[0].lstrip(".").partition("~")
+        if orphan is not None and orphan(kind, label, parts[3], int(parts[1])):
+            return True
         try:
             return time.time() - path.lstat().st_mtime > stale_s
         except FileNotFoundError:

@@ -26,8 +26,10 @@ class Dist:
             td.init_process_group(backend)
             self.td = td
         self.device = device
-        self.group_id = os.environ.get("TORCHELASTIC_RUN_ID") or \
-            (f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if self.enabled else uuid.uuid4().hex)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id in (None, "", "none"):  # torchrun's static rendezvous (--master-addr, several nodes) names no run
+            run_id = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if self.enabled else None
+        self.group_id = run_id or uuid.uuid4().hex  # the ranks of one job share it: one trainer for the manifest
 
     def any(self, flag: bool) -> bool:
         return self.sum_int(int(flag)) > 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 @dataclass
 class TrainOptions:
-    manifest: Path
+    manifest: str | Path  # a manifest address (see dflash_staged.manifest)
     store: Path
     out: Path
     replay: bool = False

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_staged.config import Config
+from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
@@ -95,9 +96,13 @@ class Trainer:
             self._plot()
         self.buffer.close()
         if not self.opts.replay:
-            if self.dist.rank == 0:
-                self.store.cleanup_temp()  # leftovers of writers that died after the last extract exited
-            self.m.unregister_me("train")
+            try:
+                if self.dist.rank == 0:  # leftovers of writers that died after the last extract exited
+                    self.store.cleanup_temp(claimed=self.m.holds_claim)
+                self.m.unregister_me("train")
+            except DflashError as e:  # the manifest's server is gone: its lease lets the registration lapse
+                print(f"train: warning: could not unregister from {self.m.address}: {e}", file=sys.stderr, flush=True)
+            self.m.close()
         self.metrics.close()
         self.progress.close()
         self.dist.close()
@@ -122,13 +127,14 @@ def build_trainer(opts: TrainOptions) -> Trainer:
     m = Manifest.open(opts.manifest, readonly=opts.replay)
     cfg = setup.run_config(m, opts)
     opts.out.mkdir(parents=True, exist_ok=True)
-    ckpt.cleanup_tmp(opts.out)
+    if dist.rank == 0:  # the one writer of checkpoints (on a shared filesystem, ranks of other nodes see them too)
+        ckpt.cleanup_tmp(opts.out)
     if not opts.replay:
         m.register("train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)})
         setup.check_window(m, cfg, dist.world)
     store = setup.wait_for_store(opts, m)
     if not opts.replay and dist.rank == 0:
-        store.cleanup_temp()  # half-deleted shards of a killed trainer, half-written ones of dead workers
+        store.cleanup_temp(claimed=m.holds_claim)  # half-deleted shards of a killed trainer, half-written ones of dead workers
     model = DrafterModel(setup.build_drafter(cfg, store, device), cfg.train, device, dist.rank)
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from chaos import Chaos
+from pgcluster import PG_SLOW
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.dims import target_dims
 from helpers import plan, run, start, write_config, write_dataset
@@ -37,9 +38,9 @@ def max_shard_bytes(mdir) -> int:
         return max(j.real_tokens for j in m.jobs()) * per_token + (16 << 10)
 
 
-def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float):
+def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float, manifest=None):
     seed = int(os.environ.get("DFLASH_CHAOS_SEED") or random.SystemRandom().randrange(2**31))
-    mdir = plan(tmp_path, n, epochs, extra=EXTRA)
+    mdir = plan(tmp_path, n, epochs, extra=EXTRA, manifest=manifest)
     store, run_dir = tmp_path / "store", tmp_path / "run"
     chaos = Chaos(tmp_path, mdir, store, run_dir, seed=seed, kills=kills, window=WINDOW, timeout_s=timeout_s,
                   crash_train=CRASH_TRAIN, crash_extract=CRASH_EXTRACT, shard_bytes_max=max_shard_bytes(mdir))
@@ -66,8 +67,9 @@ def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float):
     return r
 
 
-def test_chaos_kill9(tmp_path):
-    chaos_case(tmp_path, kills=10, n=64, epochs=2, timeout_s=400)
+@pytest.mark.parametrize("backend", PG_SLOW, indirect=True)
+def test_chaos_kill9(tmp_path, backend):
+    chaos_case(tmp_path, kills=10, n=64, epochs=2, timeout_s=400, manifest=backend.address(tmp_path))
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from dflash_staged.manifest import Manifest, TrainerBusyError
 from dflash_staged.store import ShardStore
 from helpers import ROOT, plan
 from helpers import run, start
+from pgcluster import PG_SLOW
 from rel_helpers import hooked_env
 from dflash_fault_hooks import expected_hidden  # noqa: E402 - on sys.path via rel_helpers
 
@@ -40,8 +41,9 @@ def check_shard(store: ShardStore, m: Manifest, job) -> None:
     assert torch.equal(shard.hidden, expected_hidden(ids, len(m.meta["layer_ids"]), HIDDEN))
 
 
-def test_eight_extract_processes_write_every_job_exactly_once(tmp_path):
-    mdir, store_dir = plan(tmp_path, n=160, epochs=2, extra=EXTRA), tmp_path / "store"
+@pytest.mark.parametrize("backend", PG_SLOW, indirect=True)  # default suite: test_manifest's 8 claimers, test_multihost
+def test_eight_extract_processes_write_every_job_exactly_once(tmp_path, backend):
+    mdir, store_dir = plan(tmp_path, n=160, epochs=2, extra=EXTRA, manifest=backend.address(tmp_path)), tmp_path / "store"
     log = tmp_path / "commits.log"
     environ = hooked_env(fake_target={"hidden": HIDDEN, "delay_s": 0.05}, commit_log=str(log))
     procs = [start(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", WINDOW],
@@ -87,8 +89,8 @@ def test_eight_extract_processes_write_every_job_exactly_once(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- trainers
-def test_second_trainer_refused_naming_the_first(tmp_path):
-    mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA)
+def test_second_trainer_refused_naming_the_first(tmp_path, backend):
+    mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA, manifest=backend.address(tmp_path))
     store = tmp_path / "no-store-yet"  # the first trainer registers, then waits for the store
     a = start(["train", "--manifest", mdir, "--store", store, "--out", tmp_path / "a"], tmp_path / "a.log")
     m = Manifest.open(mdir, readonly=True)

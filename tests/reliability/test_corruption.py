@@ -83,10 +83,11 @@ def wait_for(cond, timeout: float, what: str, procs=()):
         time.sleep(0.05)
 
 
-def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_rounds: int, seed: int):
+def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_rounds: int, seed: int,
+                    manifest=None):
     rng = random.Random(seed)
     print(f"corruption seed {seed}", flush=True)
-    mdir = plan(tmp_path, n, epochs, extra=EXTRA)
+    mdir = plan(tmp_path, n, epochs, extra=EXTRA, manifest=manifest)
     store_dir, run_dir = tmp_path / "store", tmp_path / "run"
     r = run(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu,cpu", "--window", 1000])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -179,11 +180,12 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_corruption_detected_and_reextracted(tmp_path):
+def test_corruption_detected_and_reextracted(tmp_path, backend):
     # every shard damaged before training: the trainer's first draws all fail verification and it must
     # wait for re-extraction (regression: it took the empty step for "drained" and exited 0 untrained)
     corruption_case(tmp_path, n=40, epochs=2, before=None, during_rounds=2,
-                    seed=int(os.environ.get("DFLASH_CORRUPT_SEED") or random.SystemRandom().randrange(2**31)))
+                    seed=int(os.environ.get("DFLASH_CORRUPT_SEED") or random.SystemRandom().randrange(2**31)),
+                    manifest=backend.address(tmp_path))
 
 
 @pytest.mark.slow

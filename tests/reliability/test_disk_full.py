@@ -18,6 +18,7 @@ import dflash_staged.store.shardfiles as shardfiles
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore, StoreFullError, StoreMeta
 from helpers import plan
+from pgcluster import PG_SLOW
 from helpers import run, status
 from rel_helpers import hooked_env, scan_store
 
@@ -66,8 +67,10 @@ def complete_after_freeing(mdir, store, flag, environ):
     assert scan_store(store)["temps"] == []
 
 
-def test_disk_full_then_freed(tmp_path):
-    mdir, store, flag = plan(tmp_path, epochs=2, extra=EXTRA), tmp_path / "store", tmp_path / "disk-full"
+@pytest.mark.parametrize("backend", PG_SLOW, indirect=True)
+def test_disk_full_then_freed(tmp_path, backend):
+    mdir = plan(tmp_path, epochs=2, extra=EXTRA, manifest=backend.address(tmp_path))
+    store, flag = tmp_path / "store", tmp_path / "disk-full"
     environ = hooked_env(enospc_flag=str(flag))
     # 1. the disk is full from the start: not even the store can be created
     flag.write_text("0")

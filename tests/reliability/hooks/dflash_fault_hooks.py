@@ -117,14 +117,22 @@ def _patch_fsutil(mod) -> None:
     mod._fsync_tree = fsync_tree
 
 
-def _patch_manifest(mod) -> None:
-    real = mod.SqliteManifest.consume
+def _patch_consume(cls) -> None:
+    real = cls.consume
 
     def consume(self, *a, **kw):
         real(self, *a, **kw)
         _crash("consume")
 
-    mod.SqliteManifest.consume = consume
+    cls.consume = consume
+
+
+def _patch_manifest(mod) -> None:
+    _patch_consume(mod.SqliteManifest)
+
+
+def _patch_manifest_pg(mod) -> None:
+    _patch_consume(mod.PostgresManifest)
 
 
 def _patch_manifest_build(mod) -> None:
@@ -186,6 +194,7 @@ _PATCHES = {"dflash_staged.store.shardfiles": (_patch_shardfiles, lambda: "enosp
             "dflash_staged.train.checkpoint": (_patch_checkpoint, _crashes),
             "dflash_staged.fsutil": (_patch_fsutil, _crashes),
             "dflash_staged.manifest.sqlite": (_patch_manifest, _crashes),
+            "dflash_staged.manifest.postgres": (_patch_manifest_pg, _crashes),
             "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
             "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG)}
 
