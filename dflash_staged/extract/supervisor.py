@@ -158,8 +158,8 @@ def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, 
         return
     w.kill()  # no rank of a broken group may wait for the others
     _remove_dead_leftovers(opts, m)
-    rank, code = dead[0]
-    killed = any(c < 0 for _, c in dead)
+    rank, code = min(dead, key=lambda rc: rc[1] >= 0)  # name the one killed by a signal: the others followed it
+    killed = code < 0
     if code == EXIT_DISK_FULL or stopping["n"]:
         w.code = code
         return
