@@ -108,3 +108,18 @@ def test_disk_arithmetic_counts_groups_not_gpus():
     assert one["extract_workers"] == 4 and grouped["extract_workers"] == 2
     assert grouped["write_Bps"] == pytest.approx(one["write_Bps"] / 2)
     assert grouped["write_Bps"] == pytest.approx(3000 * 2 * grouped["bytes_per_token"])
+
+
+@pytest.mark.slow
+def test_gpu_smoke_tp_step_runs_on_cpu(tmp_path):
+    """bench/gpu_smoke.py's tensor-parallel step, in its --device cpu mode (gloo on cpu,cpu)."""
+    import json
+    import subprocess
+    import sys
+    from helpers import env
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--device", "cpu", "--only", "tp_extract",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    step = summary["steps"]["tp_extract"]
+    assert r.returncode == 0 and summary["ok"], step
+    assert step["restarted"] and step["written"] == step["jobs"] > 0 and step["max_abs_diff_vs_tp1"] <= 1e-5
