@@ -38,6 +38,7 @@ from dflash_staged.store import ShardStore
 
 
 GROUP_RESTARTS = 3  # restarts of a tensor-parallel group whose process was killed (kill -9, OOM killer)
+FOLLOWER_GRACE_S = 30.0  # a follower still running this long after its leader exited 0 is killed
 
 
 @dataclass
@@ -49,9 +50,11 @@ class _Worker:
     procs: list = field(default_factory=list)
     code: int | None = None  # set once it is over: the leader's exit code, or the death of a group
     restarts: int = 0
+    leader_done: float = 0.0  # when a group's leader exited 0 (its followers then have FOLLOWER_GRACE_S)
 
     def start(self, ctx, opts: ExtractOptions, status_q, tmp: str | None) -> None:
         init = os.path.join(tmp, f"group{self.index}-{self.restarts}") if tmp else None
+        self.leader_done = 0.0
         self.procs = [ctx.Process(target=worker_main, args=(self.index, self.devices, r, opts, status_q, init),
                                   name=f"extract-{self.index}" + (f"-rank{r}" if init else ""), daemon=False)
                       for r in range(len(self.devices))]
@@ -153,7 +156,12 @@ def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, 
         return
     dead = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
     if not dead:
-        if all(c == 0 for c in codes):
+        if codes[0] == 0 and None in codes:  # the leader is done and told its followers to stop
+            w.leader_done = w.leader_done or time.time()
+            if time.time() - w.leader_done < FOLLOWER_GRACE_S:
+                return
+            w.kill()
+        if codes[0] == 0:
             w.code = 0
         return
     w.kill()  # no rank of a broken group may wait for the others

@@ -37,7 +37,7 @@ import torch
 from dflash_staged.config import Config
 from dflash_staged.dtypes import dtype_name
 from dflash_staged.errors import DflashError
-from dflash_staged.extract.group import Group, follow
+from dflash_staged.extract.group import Group, GroupBroken, follow
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, ExtractOptions
 from dflash_staged.manifest import Job, Manifest
 from dflash_staged.procs import die_with_parent
@@ -245,17 +245,26 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
                              num_draft_layers=cfg.drafter.num_hidden_layers, tp=group.size)
         store = open_store_for(m, opts.store, target, cfg) if group.leader else None
     except Exception as e:  # noqa: BLE001 - reported; every rank of a group stops together
-        error = e
-    if not group.all_ok(error is None):
+        error = (e, traceback.format_exc())
+    try:
+        loaded = group.all_ok(error is None)
+    except GroupBroken as e:
+        loaded, error = False, error or (e, "")
+    if not loaded:
         if error is not None:
-            status_q.put(("error", who, str(error) if isinstance(error, DflashError) else traceback.format_exc()))
+            status_q.put(("error", who, str(error[0]) if isinstance(error[0], DflashError) else error[1]))
         group.close()
-        sys.exit(EXIT_DISK_FULL if isinstance(error, StoreFullError) else EXIT_ERROR)
+        sys.exit(EXIT_DISK_FULL if error and isinstance(error[0], StoreFullError) else EXIT_ERROR)
     if not group.leader:
         m.close()
-        follow(target, group)
+        code = 0
+        try:
+            follow(target, group)
+        except GroupBroken as e:  # the leader died: the supervisor stops (and restarts) the group
+            status_q.put(("error", who, str(e)))
+            code = EXIT_ERROR
         group.close()
-        sys.exit(0)
+        sys.exit(code)
     lease = Lease(opts)
     publisher = Publisher(opts, store, lease)
     lease.start()
