@@ -7,10 +7,11 @@ window), and returns an exit code. SIGINT/SIGTERM make the workers finish their 
 give the claim back (a second signal kills them); a worker exits when its supervisor dies
 (PR_SET_PDEATHSIG, and a parent check). A worker killed with ``kill -9`` leaves a claim that
 the next claim on this host reclaims at once (dead pid), and a temporary shard directory that
-the supervisor removes; the other workers go on. When any process of a tensor-parallel group
-exits with an error or is killed, the supervisor kills the rest of the group at once (no rank
-is left in a collective); a group whose process was killed by a signal is started again, up to
-:data:`GROUP_RESTARTS` times, and its job is reclaimed like any dead worker's. With a live
+the supervisor removes; the other workers go on. When a process of a tensor-parallel group is
+killed, the supervisor kills the rest of the group at once (no rank is left in a collective);
+when ranks exit with an error, the others get :data:`GROUP_GRACE_S` to exit and report on their
+own first. A group whose process was killed by a signal is started again, up to
+:data:`GROUP_RESTARTS` times; its job goes back to pending like any dead worker's. With a live
 trainer, extract stays (idle) once everything is extracted, so it can re-extract shards that
 fail verification.
 """
@@ -38,7 +39,7 @@ from dflash_staged.store import ShardStore
 
 
 GROUP_RESTARTS = 3  # restarts of a tensor-parallel group whose process was killed (kill -9, OOM killer)
-FOLLOWER_GRACE_S = 30.0  # a follower still running this long after its leader exited 0 is killed
+GROUP_GRACE_S = 10.0  # ranks still running this long after another rank of their group exited by itself are killed
 
 
 @dataclass
@@ -50,11 +51,11 @@ class _Worker:
     procs: list = field(default_factory=list)
     code: int | None = None  # set once it is over: the leader's exit code, or the death of a group
     restarts: int = 0
-    leader_done: float = 0.0  # when a group's leader exited 0 (its followers then have FOLLOWER_GRACE_S)
+    wait_since: float = 0.0  # when a group's first rank exited on its own (the others then get GROUP_GRACE_S)
 
     def start(self, ctx, opts: ExtractOptions, status_q, tmp: str | None) -> None:
         init = os.path.join(tmp, f"group{self.index}-{self.restarts}") if tmp else None
-        self.leader_done = 0.0
+        self.wait_since = 0.0
         self.procs = [ctx.Process(target=worker_main, args=(self.index, self.devices, r, opts, status_q, init),
                                   name=f"extract-{self.index}" + (f"-rank{r}" if init else ""), daemon=False)
                       for r in range(len(self.devices))]
@@ -155,26 +156,29 @@ def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, 
                 _remove_dead_leftovers(opts, m)  # its half-written shard, if any
         return
     dead = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-    if not dead:
-        if codes[0] == 0 and None in codes:  # the leader is done and told its followers to stop
-            w.leader_done = w.leader_done or time.time()
-            if time.time() - w.leader_done < FOLLOWER_GRACE_S:
-                return
-            w.kill()
-        if codes[0] == 0:
-            w.code = 0
+    killed = [(r, c) for r, c in dead if c < 0]
+    if None in codes and not killed and (dead or codes[0] == 0):
+        # the leader is done (it told the followers to stop), or ranks exited with an error (the others
+        # follow them): they get a grace to exit on their own and report, then are killed
+        w.wait_since = w.wait_since or time.time()
+        if time.time() - w.wait_since < GROUP_GRACE_S:
+            return
+    elif None in codes and not dead:
         return
     w.kill()  # no rank of a broken group may wait for the others
+    if not dead:
+        w.code = 0
+        return
     _remove_dead_leftovers(opts, m)
-    rank, code = min(dead, key=lambda rc: rc[1] >= 0)  # name the one killed by a signal: the others followed it
-    killed = code < 0
+    rank, code = (killed or dead)[0]  # name the one killed by a signal: the others followed it
     if code == EXIT_DISK_FULL or stopping["n"]:
         w.code = code
         return
-    again = killed and w.restarts < GROUP_RESTARTS and (not m.extract_done() or should_stay(m, opts))
+    again = bool(killed) and w.restarts < GROUP_RESTARTS and (not m.extract_done() or should_stay(m, opts))
+    how = "was killed" if killed else "exited with an error"
     click.echo(f"extract: worker {w.index} (tensor-parallel group {','.join(w.devices)}, leader pid "
-               f"{w.procs[0].pid}): rank {rank} (pid {w.procs[rank].pid}) died with exit code {code}; the whole "
-               f"group stopped and its job will be reclaimed; "
+               f"{w.procs[0].pid}): rank {rank} (pid {w.procs[rank].pid}) {how} (exit code {code}); the whole "
+               "group is stopped and a job it held goes back to pending; "
                + (f"restarting it ({w.restarts + 1} of {GROUP_RESTARTS})" if again else "not restarting it"),
                err=True)
     if again:
@@ -228,6 +232,7 @@ def _drain_status(q, messages: list[str]) -> None:
         except (queue.Empty, EOFError, OSError):
             return
         if msg[0] == "error":
-            messages.append(f"worker {msg[1]}: {msg[2]}")
+            if not any(x.endswith(f": {msg[2]}") for x in messages):  # the ranks of a group agree: say it once
+                messages.append(f"worker {msg[1]}: {msg[2]}")
         elif msg[0] == "job_error":
             messages.append(f"worker {msg[1]}: job {msg[2]} failed ({msg[3]}); now {msg[4]}")

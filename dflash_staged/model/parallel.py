@@ -11,8 +11,8 @@ Contract (:func:`dflash_staged.model.target.load_target` with ``tp=N`` relies on
   read) is a whole, replicated tensor on every rank, so :meth:`Target.capture` and its early stop
   work unchanged: every rank raises at the same layer, after the same collectives, and no rank
   is left waiting in one. Every rank must call ``capture`` with the same batch.
-* :func:`check_tp` is the preflight: a TP plan exists and the attention and KV heads divide by
-  N (a plan that splits KV heads unevenly loads fine and then fails in the first forward);
+* :func:`check_tp` is the preflight: ``accelerate`` is installed (transformers needs it to
+  place the slices), a TP plan exists and the attention and KV heads divide by N (a plan that splits KV heads unevenly loads fine and then fails in the first forward);
   :func:`check_sharded` refuses a model whose plan shards none of its decoder layers (every rank
   would hold the whole model, so TP buys no memory).
 
@@ -37,6 +37,8 @@ any, KV heads < N  loads, then the first forward fails (``shape [B, L, -1, D] is
 
 from __future__ import annotations
 
+import importlib.util
+
 from dflash_staged.errors import DflashError
 from dflash_staged.model.dims import text_config
 
@@ -57,6 +59,9 @@ def check_tp(model_config, tp: int, what: str = "the target") -> None:
     """Refuse a TP size this target cannot be split into; the message names the fix."""
     if tp <= 1:
         return
+    if importlib.util.find_spec("accelerate") is None:
+        raise DflashError(f"--tp {tp}: transformers' tensor-parallel loading needs the accelerate package; "
+                          "pip install accelerate")
     text = text_config(model_config)
     kind = getattr(text, "model_type", type(text).__name__)
     if not (getattr(text, "base_model_tp_plan", None) or getattr(model_config, "base_model_tp_plan", None)):

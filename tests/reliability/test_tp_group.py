@@ -104,7 +104,7 @@ def test_kill9_of_a_follower_stops_the_group_and_the_run_completes(tmp_path):
         time.sleep(0.05)
     out = p.communicate(timeout=60)[0]
     assert p.returncode == 0, out[-4000:]
-    assert f"rank 1 (pid {victim}) died with exit code -9" in out and "restarting it (1 of 3)" in out, out[-3000:]
+    assert f"rank 1 (pid {victim}) was killed (exit code -9)" in out and "restarting it (1 of 3)" in out, out[-3000:]
     assert "Traceback" not in out
     # the job went back without counting as an error, before its lease could expire
     back = [e for e in m.events() if e["job"] == job.id and e["kind"] in ("abandon", "reclaim", "error")]
@@ -117,3 +117,19 @@ def test_kill9_of_a_follower_stops_the_group_and_the_run_completes(tmp_path):
     assert {leader, victim} <= seen and len(seen) >= 4, seen
     assert all(_gone(pid) for pid in seen), [pid for pid in seen if not _gone(pid)]
     assert_matches_tp1(mdir, store)
+
+
+def test_a_failure_while_loading_stops_the_whole_group_before_any_claim(tmp_path):
+    mdir = plan(tmp_path, n=8, extra=EXTRA)
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "unrelated.txt").write_text("not a shard store")  # the leader's store check fails; the follower loads
+    r = run_dflash("extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--tp", "2", timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert out.count("exists and is not empty but holds no shard store") == 1, out
+    assert "Traceback" not in out and "exited with an error (exit code 2)" in out and "not restarting it" in out
+    with Manifest.open(mdir, readonly=True) as m:
+        assert m.counts()["pending"] == sum(m.counts().values())
+        assert not [e for e in m.events() if e["job"] is not None]  # nothing was ever claimed
+    assert sorted(p.name for p in store.iterdir()) == ["unrelated.txt"]
