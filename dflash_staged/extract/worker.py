@@ -231,8 +231,13 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
     if device.startswith("cpu"):
         n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         torch.set_num_threads(n or max(1, (os.cpu_count() or 1) // max(1, len(opts.devices))))
-    group = Group.join(devices, rank, init_file, opts.lease_s) if len(devices) > 1 else Group()
-    who = index if group.leader else f"{index} rank {rank}"
+    who = index if rank == 0 else f"{index} rank {rank}"
+    try:
+        group = Group.join(devices, rank, init_file, opts.lease_s) if len(devices) > 1 else Group()
+    except Exception as e:  # noqa: BLE001 - e.g. a sibling died before the group met
+        status_q.put(("error", who, f"cannot join the tensor-parallel group on {','.join(devices)}: "
+                                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+        sys.exit(EXIT_ERROR)
     m = Manifest.open(opts.manifest, readonly=not group.leader)
     cfg = m.config
     if opts.dtype:

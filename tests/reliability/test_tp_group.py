@@ -18,6 +18,7 @@ import time
 from collections import Counter
 
 import psutil
+import pytest
 import torch
 
 from dflash_staged.manifest import Manifest
@@ -133,3 +134,14 @@ def test_a_failure_while_loading_stops_the_whole_group_before_any_claim(tmp_path
         assert m.counts()["pending"] == sum(m.counts().values())
         assert not [e for e in m.events() if e["job"] is not None]  # nothing was ever claimed
     assert sorted(p.name for p in store.iterdir()) == ["unrelated.txt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_tp2_hybrid_targets_match_tp1(tmp_path, kind):
+    """The hybrid (Gated DeltaNet) tiny targets, as listed in dflash_staged/model/parallel.py."""
+    mdir = plan(tmp_path, n=12, extra=EXTRA + f'[target]\nmodel = "tiny:{kind}"\n')
+    r = run_dflash("extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu,cpu", "--tp", "2",
+                   "--window", "64", timeout=400)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert_matches_tp1(mdir, tmp_path / "store")
