@@ -10,7 +10,15 @@ bytes each path returns. Runs on CPU with models built in code (random weights):
 * ``dense-12x512``: a 12-layer Qwen3, hidden 512, vocab 16384;
 * ``tiny-qwen3_5``: the tiny hybrid Qwen3.5 from ``dflash_staged.model.tiny`` (PyTorch reference kernels).
 
-Usage: ``python bench/extract_bench.py [--json] [--repeats N] [--draft-layers K]``.
+``--tp`` adds the tensor-parallel plumbing figure: real tokens/s of ``dflash extract --tp 2 --devices
+cpu,cpu`` (one worker, two processes under gloo) against ``dflash extract --devices cpu`` (one process),
+each on its own copy of the same plan of ``dense-12x512`` (saved as an HF directory), interleaved
+``--tp-repeats`` times. The rate counts the tokens of the jobs written after the first one, over the
+time between them (model loading and process start-up excluded), with one torch thread per process:
+TP=2 uses two cores where TP=1 uses one. On CPU the ratio checks the plumbing (the batch broadcast,
+the followers' forwards, two all-reduces per layer); it is not a speed claim for GPUs.
+
+Usage: ``python bench/extract_bench.py [--json] [--repeats N] [--draft-layers K] [--tp [--tp-repeats N]]``.
 With ``--json`` the last line is a JSON object with all results.
 """
 
@@ -19,8 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -95,6 +109,69 @@ def bench_model(name: str, model, draft_layers: int, repeats: int) -> dict:
     }
 
 
+def _extract_rate(mdir: Path, store: Path, devices: str, tp: int, env: dict) -> dict:
+    """Run one ``dflash extract``; real tokens/s between its first and its last written job."""
+    from dflash_staged.manifest import Manifest
+    cmd = [sys.executable, "-m", "dflash_staged", "extract", "--manifest", str(mdir), "--store", str(store),
+           "--devices", devices, "--tp", str(tp), "--window", "100000"]
+    t_start = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: dict[int, float] = {}
+    with Manifest.open(mdir, readonly=True) as m:
+        tokens = {j.id: j.real_tokens for j in m.jobs()}
+        while p.poll() is None:
+            now = time.perf_counter()
+            for j in m.jobs("written"):
+                seen.setdefault(j.id, now)
+            time.sleep(0.02)
+        for j in m.jobs("written"):
+            seen.setdefault(j.id, time.perf_counter())
+    out = p.communicate()[0]
+    if p.returncode != 0 or len(seen) != len(tokens):
+        raise RuntimeError(f"extract --tp {tp} failed (rc {p.returncode}):\n{out[-2000:]}")
+    order = sorted(seen, key=seen.get)
+    span = seen[order[-1]] - seen[order[0]]
+    return {"tp": tp, "devices": devices, "jobs": len(order), "wall_s": round(time.perf_counter() - t_start, 2),
+            "tokens_after_first": sum(tokens[i] for i in order[1:]), "span_s": round(span, 3),
+            "tokens_per_s": round(sum(tokens[i] for i in order[1:]) / max(span, 1e-9), 1)}
+
+
+def bench_tp(repeats: int, n_samples: int = 96) -> dict:
+    """TP=2 against TP=1 extract tokens/s on CPU, on the same plan (see the module docstring)."""
+    import numpy as np
+    from dflash_staged.model.tiny import build_tiny_tokenizer
+    work = Path(tempfile.mkdtemp(prefix="dflash-tp-bench-"))
+    try:
+        model_dir = work / "dense-12x512"
+        dense_model().save_pretrained(model_dir)
+        build_tiny_tokenizer().save_pretrained(model_dir)
+        rng = np.random.default_rng(0)
+        data = work / "data.jsonl"
+        with open(data, "w") as f:
+            for _ in range(n_samples):
+                n = int(rng.integers(64, 256))
+                f.write(json.dumps({"input_ids": rng.integers(4, 2048, n).tolist(), "loss_mask": [1] * n}) + "\n")
+        cfg = work / "bench.toml"
+        cfg.write_text(f'[target]\nmodel = "{model_dir}"\ndtype = "float32"\n[data]\nmax_len = 256\n'
+                       'num_buckets = 2\ntoken_budget = 1024\n[drafter]\nnum_hidden_layers = 5\nmask_token_id = 3\n'
+                       '[train]\nmin_ready = 1\nbuffer_capacity = 1\n')
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+        runs: dict[int, list[dict]] = {1: [], 2: []}
+        for r in range(repeats):  # interleaved, so drift in machine load hits both alike
+            for tp, devices in ((1, "cpu"), (2, "cpu,cpu")):
+                mdir = work / f"m{tp}-{r}"
+                subprocess.run([sys.executable, "-m", "dflash_staged", "plan", "--config", str(cfg), "--data",
+                                str(data), "--manifest", str(mdir)], env=env, check=True, capture_output=True)
+                runs[tp].append(_extract_rate(mdir, work / f"s{tp}-{r}", devices, tp, env))
+        rate = {tp: statistics.median(x["tokens_per_s"] for x in v) for tp, v in runs.items()}
+        return {"model": "dense-12x512", "repeats": repeats, "threads_per_process": 1,
+                "tp1_tokens_per_s": rate[1], "tp2_tokens_per_s": rate[2],
+                "tp2_over_tp1": round(rate[2] / rate[1], 3), "runs": runs[1] + runs[2]}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print a JSON object as the last line")
@@ -102,6 +179,8 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=5, help="drafter layers k for the DFlash tap rule")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1 keeps timings steady on a shared machine)")
+    ap.add_argument("--tp", action="store_true", help="also: dflash extract --tp 2 against --tp 1 on CPU")
+    ap.add_argument("--tp-repeats", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -114,9 +193,16 @@ def main() -> None:
               f"output_hidden_states {r['full_hidden_states_s'] * 1e3:.1f} ms "
               f"({r['full_tokens_per_s']:.0f} tok/s): time ratio {r['time_ratio']:.2f}, "
               f"output bytes ratio {r['bytes_ratio']:.3f}")
+    tp = None
+    if args.tp:
+        tp = bench_tp(args.tp_repeats)
+        print(f"dflash extract on {tp['model']}, 1 thread per process: --tp 2 {tp['tp2_tokens_per_s']:.0f} real "
+              f"tok/s vs --tp 1 {tp['tp1_tokens_per_s']:.0f} real tok/s: ratio {tp['tp2_over_tp1']:.2f} "
+              f"(median of {tp['repeats']}; a plumbing figure on CPU, not a speed claim)")
     if args.json:
         print(json.dumps({"bench": "extract", "device": "cpu", "threads": args.threads,
-                          "repeats": args.repeats, "draft_layers": args.draft_layers, "results": results}))
+                          "repeats": args.repeats, "draft_layers": args.draft_layers, "results": results,
+                          "tp": tp}))
 
 
 if __name__ == "__main__":

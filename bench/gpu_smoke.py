@@ -14,10 +14,14 @@ Steps (each reports ``ok`` and its numbers; a failing step does not stop the oth
 4. ``train_e2e``: plan a small synthetic dataset for ``tiny:qwen3`` in bf16, then run
    ``dflash extract --devices cuda:0`` and ``dflash train --device cuda`` side by side through the
    launcher (``python -m dflash_staged pipeline``); the drafter trains under bf16 autocast.
+5. ``tp_extract`` (2+ GPUs; skipped with one): ``dflash extract --tp 2 --devices cuda:0,cuda:1`` on the
+   tiny MoE target (``tiny:qwen3_moe``, bf16, NCCL), with one ``kill -9`` of the follower mid-run: the
+   supervisor must stop the group, restart it and finish every job; every shard is then compared with
+   a one-GPU forward of the same batch (bf16 rounding: max abs difference <= 0.25).
 
 The last line printed is one JSON object: ``{"ok": ..., "device": ..., "steps": {name: {...}}}``;
 it is also written to ``OUT/gpu_smoke.json``. Exit code 0 when every step is ok.
-Usage: ``python bench/gpu_smoke.py [--out DIR] [--skip-tests]``. ``--device cpu`` runs the same steps
+Usage: ``python bench/gpu_smoke.py [--out DIR] [--skip-tests] [--only STEP,...]``. ``--device cpu`` runs the same steps
 on the CPU with a smaller model (a check of this script itself on a machine without a GPU).
 """
 
@@ -273,12 +277,83 @@ def step_train_e2e(out: Path, dev: str) -> dict:
     return res
 
 
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of ``pid`` (the extract worker processes), from /proc."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "spawn_main" in cmd:
+            kids.append(int(d.name))
+    return kids
+
+
+def step_tp_extract(out: Path, dev: str) -> dict:
+    import signal
+    import torch
+    gpu = dev.startswith("cuda")
+    if gpu and torch.cuda.device_count() < 2:
+        return {"ok": True, "skipped": f"needs 2 GPUs; this machine shows {torch.cuda.device_count()}"}
+    from dflash_staged.manifest import Manifest
+    from dflash_staged.model.target import load_target, pack_unpadded, pad_batch
+    from dflash_staged.store import ShardStore
+    devices = "cuda:0,cuda:1" if gpu else "cpu,cpu"
+    work = out / "tp"
+    plan(work, "tiny:qwen3_moe", 48)
+    log = work / "extract.log"
+    cmd = [sys.executable, "-m", "dflash_staged", "extract", "--manifest", work / "manifest", "--store",
+           work / "store", "--devices", devices, "--tp", "2", "--window", "64"]
+    res: dict = {"devices": devices}
+    with open(log, "w") as f:
+        p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT)
+        t0 = time.time()
+        with Manifest.open(work / "manifest", readonly=True) as m:
+            while p.poll() is None and "killed_follower" not in res and time.time() - t0 < 240:
+                claimed = {j.pid for j in m.jobs("claimed") if j.pid}
+                followers = sorted(set(_spawned_children(p.pid)) - claimed)
+                if claimed and followers:
+                    os.kill(followers[0], signal.SIGKILL)
+                    res["killed_follower"] = followers[0]
+                time.sleep(0.01)
+        try:
+            res["rc"] = p.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            res["rc"] = 124
+    text = log.read_text()
+    res["restarted"] = "restarting it (1 of" in text
+    with Manifest.open(work / "manifest", readonly=True) as m:
+        jobs = m.jobs()
+        res["jobs"], res["written"] = len(jobs), m.counts()["written"]
+        if res["rc"] == 0:
+            target = load_target(m.config.target, dev, layer_ids=m.meta["layer_ids"])
+            store, worst = ShardStore.open(work / "store"), 0.0
+            for j in jobs:
+                shard = store.read_shard(j.epoch, j.id, j.checksum)
+                ids, attn, lengths = pad_batch([torch.from_numpy(m.sample(s)[0].astype("int64")) for s in j.sample_ids])
+                ref = pack_unpadded(target.capture(ids, attn), lengths).float().cpu()
+                worst = max(worst, (shard.hidden.float() - ref).abs().max().item())
+            res["max_abs_diff_vs_tp1"], res["store_dtype"] = worst, store.meta.logical_dtype
+    tol = 0.25 if gpu else 1e-5
+    res["ok"] = (res["rc"] == 0 and res["written"] == res["jobs"] > 0 and "killed_follower" in res
+                 and res["restarted"] and res.get("max_abs_diff_vs_tp1", 1e9) <= tol)
+    if not res["ok"]:
+        res["tail"] = tail(text, 1500)
+    return res
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / f"gpu_smoke-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--skip-tests", action="store_true", help="skip step 1 (pytest -m cuda)")
     ap.add_argument("--device", default="cuda:0", help="cuda:0, or cpu to check this script without a GPU")
+    ap.add_argument("--only", default="", help="run only these steps, e.g. --only tp_extract,train_e2e")
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -301,9 +376,10 @@ def main() -> int:
     summary["transformers"] = transformers.__version__
     t_all = time.time()
     steps = [("cuda_tests", step_cuda_tests), ("hybrid_extract", step_hybrid_extract),
-             ("extract_throughput", step_throughput), ("train_e2e", step_train_e2e)]
+             ("extract_throughput", step_throughput), ("train_e2e", step_train_e2e),
+             ("tp_extract", step_tp_extract)]
     for name, fn in steps:
-        if name == "cuda_tests" and args.skip_tests:
+        if (name == "cuda_tests" and args.skip_tests) or (args.only and name not in args.only.split(",")):
             continue
         t = time.time()
         print(f"[gpu_smoke] step {name} ...", flush=True)

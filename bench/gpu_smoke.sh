@@ -6,7 +6,8 @@
 # Steps (bench/gpu_smoke.py): the CUDA-marked tests; the kernel preflight + a real extract on a
 # tiny hybrid target (tiny:qwen3_5, bf16: passes with flash-linear-attention + causal-conv1d,
 # refuses without them); extract tokens/s vs a bare forward (goal >= 0.9x); extract + train side
-# by side through the launcher for a few bf16 drafter steps. The last line is one JSON object.
+# by side through the launcher for a few bf16 drafter steps; with 2+ GPUs, a TP=2 extract (NCCL) on a
+# tiny MoE target with a kill -9 of the follower (skipped with one GPU). The last line is one JSON object.
 #
 # Which Python (DFLASH_USE_SYSTEM_TORCH):
 #   1     use ${PYTHON:-python3} as it is (an offline GPU machine with torch, transformers, zarr,

@@ -102,6 +102,8 @@ def status_cmd(manifest_dir, as_json, list_jobs):
 @click.option("--manifest", "manifest_dir", required=True, help=MANIFEST_HELP)
 @click.option("--store", "store_dir", required=True, type=click.Path(path_type=Path), help="Shard store (zarr) on NVMe.")
 @click.option("--devices", default="cpu", show_default=True, help="One worker per device: cuda:0,cuda:1 or cpu,cpu.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Devices per worker: each group of TP consecutive --devices holds one tensor-parallel target.")
 @click.option("--window", type=int, default=None, help="Max shards claimed/written/consumed but not released.")
 @click.option("--window-bytes", type=str, default=None, help="Max bytes in the window, e.g. 200G (default: config).")
 @click.option("--train-ranks", type=int, default=1, show_default=True, help="Trainer ranks, for the window check.")
@@ -109,7 +111,7 @@ def status_cmd(manifest_dir, as_json, list_jobs):
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
               help="Override target.dtype (CPU only; CUDA uses bf16 by default).")
 @user_errors
-def extract(manifest_dir, store_dir, devices, window, window_bytes, train_ranks, allow_slow_kernels, dtype):
+def extract(manifest_dir, store_dir, devices, tp, window, window_bytes, train_ranks, allow_slow_kernels, dtype):
     """Run target workers that write hidden-state shards for the manifest's jobs."""
     from dflash_staged.extract.options import options_from
     from dflash_staged.extract.supervisor import run_extract
@@ -118,7 +120,7 @@ def extract(manifest_dir, store_dir, devices, window, window_bytes, train_ranks,
         cfg = m.config
     opts = options_from(manifest_dir, store_dir, devices, cfg.extract, window=window,
                         window_bytes=parse_size(window_bytes) if window_bytes else None,
-                        allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks)
+                        allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks, tp=tp)
     sys.exit(run_extract(opts))
 
 

@@ -45,7 +45,7 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass
 class TargetConfig:
-    # "tiny:qwen3", "tiny:qwen3_5", "tiny:qwen3_next" build a tiny random target in
+    # "tiny:qwen3", "tiny:qwen3_moe", "tiny:qwen3_5", "tiny:qwen3_next" build a tiny random target in
     # code (see dflash_staged.tiny); anything else is a local directory or hub id.
     model: str = "tiny:qwen3"
     gguf_file: str = ""

@@ -18,6 +18,11 @@ RECIPES = {
                                              head_dim=128, intermediate_size=12288, rope_theta=1e6), 151669, 40_960),
     "qwen3.5-27b.toml": (64, 5120, 248320, dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
                                                 head_dim=128, intermediate_size=17408, rope_theta=1e7), 248070, 51_200),
+    "qwen3.6-35b-a3b.toml": (40, 2048, 248320, dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                                                    head_dim=128, intermediate_size=6144, rope_theta=1e7), 248070, 20_480),
+    "qwen3.5-122b-a10b.toml": (48, 3072, 248320, dict(num_hidden_layers=5, num_attention_heads=32,
+                                                      num_key_value_heads=8, head_dim=128, intermediate_size=9216,
+                                                      rope_theta=1e7), 248070, 30_720),
 }
 
 
@@ -77,3 +82,34 @@ def test_recipe_mask_token_against_the_tokenizer(name):
     vocab = RECIPES[name][2]
     assert validate_mask_token(cfg.drafter.mask_token_id, tok, vocab) == cfg.drafter.mask_token_id
     assert cfg.drafter.mask_token_id >= len(tok)  # an unused embedding row: the data can never contain it
+
+
+# The MoE recipes' targets, from their public configs (nothing is downloaded): the text config of
+# Qwen3.5/3.6 MoE, and the --tp each recipe's comment gives (with the one the preflight must refuse).
+PUBLIC_MOE = {
+    "qwen3.6-35b-a3b.toml": (dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                                  head_dim=256, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                                  shared_expert_intermediate_size=512, linear_num_key_heads=16,
+                                  linear_num_value_heads=32), 2, 4),
+    "qwen3.5-122b-a10b.toml": (dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32,
+                                    num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
+                                    moe_intermediate_size=1024, shared_expert_intermediate_size=1024), 2, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_MOE))
+def test_moe_recipe_taps_and_tp_against_the_public_geometry(name):
+    from transformers import Qwen3_5MoeTextConfig
+    from dflash_staged.model.parallel import check_tp
+    from dflash_staged.errors import DflashError
+    geometry, tp, too_many = PUBLIC_MOE[name]
+    text = Qwen3_5MoeTextConfig(vocab_size=248320, **geometry)
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.target.target_layer_ids == dflash_target_layers(text.num_hidden_layers, cfg.drafter.num_hidden_layers)
+    assert text.layer_types.count("full_attention") == text.num_hidden_layers // 4  # 3 DeltaNet : 1 attention
+    assert f"--tp {tp}" in (ROOT / "configs" / name).read_text()
+    check_tp(text, tp)
+    with pytest.raises(DflashError, match=f"--tp {too_many}: .* 2 KV heads"):
+        check_tp(text, too_many)
+    d, _ = disk_requirements(ROOT / "configs" / name, 4, 3000, None, None, None, tp=tp)
+    assert d["extract_workers"] == 4 // tp and d["bytes_per_token"] == RECIPES[name][5] + 5

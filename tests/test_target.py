@@ -14,7 +14,7 @@ from dflash_staged.model.target import (KernelPreflightError, Target, crop_cache
                                   resolve_layer_ids)
 from dflash_staged.model.tiny import save_tiny_model, tiny_config
 
-KINDS = ("qwen3", "qwen3_5", "qwen3_next")
+KINDS = ("qwen3", "qwen3_5", "qwen3_next", "qwen3_moe")
 LENGTHS = (37, 5, 64, 20, 1)
 _CACHE: dict = {}
 

@@ -1,4 +1,5 @@
-"""What one ``dflash extract`` run is asked to do: manifest, store, devices, window, lease."""
+"""What one ``dflash extract`` run is asked to do: manifest, store, devices (and their tensor-parallel
+groups), window, lease."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from dflash_staged.config import ExtractConfig
 from dflash_staged.errors import DflashError
+from dflash_staged.extract.group import split_groups
 
 EXIT_DISK_FULL = 3
 EXIT_ERROR = 2
@@ -27,6 +29,12 @@ class ExtractOptions:
     dtype: str | None = None  # override target.dtype for the shards' source model
     train_ranks: int = 1
     stay_while_training: bool = True
+    tp: int = 1  # devices per worker: a tensor-parallel group (dflash_staged.extract.group)
+
+    @property
+    def groups(self) -> list[list[str]]:
+        """The devices of each worker: one each, or consecutive groups of ``tp``."""
+        return split_groups(self.devices, self.tp)
 
 
 def parse_devices(devices: str) -> list[str]:
@@ -39,14 +47,25 @@ def parse_devices(devices: str) -> list[str]:
             raise DflashError(f"--devices: unknown device {d!r}; use cpu or cuda:N")
         if d.startswith("cuda") and not torch.cuda.is_available():
             raise DflashError(f"--devices {d}: CUDA is not available on this machine; use --devices cpu")
+        if d.startswith("cuda"):
+            try:
+                index = torch.device(d).index
+            except RuntimeError:
+                raise DflashError(f"--devices: cannot read device {d!r}; use cuda:N") from None
+            n = torch.cuda.device_count()
+            if index is not None and index >= n:
+                raise DflashError(f"--devices {d}: this machine shows {n} GPU(s) (cuda:0..cuda:{n - 1}, after "
+                                  "CUDA_VISIBLE_DEVICES); pick devices that exist")
     return devs
 
 
 def options_from(manifest: str | Path, store: Path, devices: str, cfg: ExtractConfig, *, window=None, window_bytes=None,
-                 allow_slow_kernels=False, dtype=None, train_ranks=1, lease_s=None) -> ExtractOptions:
+                 allow_slow_kernels=False, dtype=None, train_ranks=1, lease_s=None, tp=1) -> ExtractOptions:
     """Command-line values over the manifest's ``[extract]`` snapshot."""
-    return ExtractOptions(manifest=manifest, store=store, devices=parse_devices(devices),
+    opts = ExtractOptions(manifest=manifest, store=store, devices=parse_devices(devices),
                           window=window if window is not None else cfg.window,
                           window_bytes=window_bytes if window_bytes is not None else cfg.window_bytes,
                           lease_s=lease_s if lease_s is not None else cfg.lease_s, max_attempts=cfg.max_attempts,
-                          allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks)
+                          allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks, tp=tp)
+    split_groups(opts.devices, tp)  # refuse a device count --tp does not divide, before anything starts
+    return opts

@@ -1,13 +1,19 @@
-"""``dflash extract``: one worker process per device, started, watched and reported on.
+"""``dflash extract``: one worker per device (or per tensor-parallel group), started, watched and reported on.
 
 :func:`run_extract` starts one :func:`~dflash_staged.extract.worker.worker_main` process per
-device (``--devices cuda:0,cuda:1`` or ``cpu,cpu``), shows a progress line (jobs, real tokens/s,
+device (``--devices cuda:0,cuda:1`` or ``cpu,cpu``), or with ``--tp N`` one process per device of
+each group of N (:mod:`dflash_staged.extract.group`), shows a progress line (jobs, real tokens/s,
 window), and returns an exit code. SIGINT/SIGTERM make the workers finish their current job or
 give the claim back (a second signal kills them); a worker exits when its supervisor dies
 (PR_SET_PDEATHSIG, and a parent check). A worker killed with ``kill -9`` leaves a claim that
 the next claim on this host reclaims at once (dead pid), and a temporary shard directory that
-the supervisor removes. With a live trainer, extract stays (idle) once everything is extracted,
-so it can re-extract shards that fail verification.
+the supervisor removes; the other workers go on. When a process of a tensor-parallel group is
+killed, the supervisor kills the rest of the group at once (no rank is left in a collective);
+when ranks exit with an error, the others get :data:`GROUP_GRACE_S` to exit and report on their
+own first. A group whose process was killed by a signal is started again, up to
+:data:`GROUP_RESTARTS` times; its job goes back to pending like any dead worker's. With a live
+trainer, extract stays (idle) once everything is extracted, so it can re-extract shards that
+fail verification.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field
 
 import click
 
@@ -29,14 +38,52 @@ from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 
 
+GROUP_RESTARTS = 3  # restarts of a tensor-parallel group whose process was killed (kill -9, OOM killer)
+GROUP_GRACE_S = 10.0  # ranks still running this long after another rank of their group exited by itself are killed
+
+
+@dataclass
+class _Worker:
+    """One extract worker: one process, or the ``tp`` processes of a tensor-parallel group."""
+
+    index: int
+    devices: list[str]
+    procs: list = field(default_factory=list)
+    code: int | None = None  # set once it is over: the leader's exit code, or the death of a group
+    restarts: int = 0
+    wait_since: float = 0.0  # when a group's first rank exited on its own (the others then get GROUP_GRACE_S)
+
+    def start(self, ctx, opts: ExtractOptions, status_q, tmp: str | None) -> None:
+        init = os.path.join(tmp, f"group{self.index}-{self.restarts}") if tmp else None
+        self.wait_since = 0.0
+        self.procs = [ctx.Process(target=worker_main, args=(self.index, self.devices, r, opts, status_q, init),
+                                  name=f"extract-{self.index}" + (f"-rank{r}" if init else ""), daemon=False)
+                      for r in range(len(self.devices))]
+        for p in self.procs:
+            p.start()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.procs:
+            p.join()
+
+
 def run_extract(opts: ExtractOptions) -> int:
-    """Start one worker per device, supervise them, show progress; return the exit code."""
+    """Start one worker per device (or per group of ``--tp`` devices), supervise them, show progress;
+    return the exit code."""
     m = Manifest.open(opts.manifest)
-    err, warn = window_check(m.config, opts.window, len(opts.devices), opts.train_ranks)
+    groups = opts.groups
+    err, warn = window_check(m.config, opts.window, len(groups), opts.train_ranks)
     if err:
         raise DflashError(err)
     if warn:
         click.echo(f"warning: {warn}", err=True)
+    if opts.tp > 1:
+        from dflash_staged.model.dims import target_text_config
+        from dflash_staged.model.parallel import check_tp
+        check_tp(target_text_config(m.config.target), opts.tp, f"target.model={m.config.target.model!r}")
     if m.counts()["failed"]:
         click.echo(f"retrying {m.retry_failed()} failed job(s)", err=True)
     if m.extract_done() and not should_stay(m, opts):  # with a live trainer: stay for re-extractions
@@ -45,44 +92,47 @@ def run_extract(opts: ExtractOptions) -> int:
                    f"({g['extracted'] - g['trained']} written, {g['trained']} consumed)")
         return 0
     _remove_dead_leftovers(opts, m)
-    m.set_meta("extract_window", {"shards": opts.window, "bytes": opts.window_bytes, "workers": len(opts.devices)})
-    proc_id = m.register("extract", info={"devices": opts.devices})
+    m.set_meta("extract_window", {"shards": opts.window, "bytes": opts.window_bytes, "workers": len(groups)})
+    proc_id = m.register("extract", info={"devices": opts.devices, "tp": opts.tp})
     ctx = mp.get_context("spawn")
     status_q = ctx.Queue()
-    workers = [ctx.Process(target=worker_main, args=(i, d, opts, status_q), name=f"extract-{i}", daemon=False)
-               for i, d in enumerate(opts.devices)]
+    tmp = tempfile.mkdtemp(prefix="dflash-tp-") if opts.tp > 1 else None  # the groups' rendezvous files
+    workers = [_Worker(i, g) for i, g in enumerate(groups)]
     stopping = {"n": 0}
 
     def on_signal(signum, _frame):
         stopping["n"] += 1
         for w in workers:
-            if w.is_alive():
-                os.kill(w.pid, signal.SIGTERM if stopping["n"] == 1 else signal.SIGKILL)
+            for p in w.procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM if stopping["n"] == 1 else signal.SIGKILL)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     for w in workers:
-        w.start()
-    codes: dict[int, int] = {}
+        w.start(ctx, opts, status_q, tmp)
     messages: list[str] = []
     try:
-        _watch(m, opts, workers, codes, messages, status_q, stopping)
+        _watch(m, opts, workers, messages, status_q, stopping, ctx, tmp)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         for w in workers:
-            w.join(timeout=30)
-            if w.is_alive():
-                w.kill()
+            for p in w.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
         _drain_status(status_q, messages)
         for msg in messages:
             click.echo(f"extract: {msg}", err=True)
         _remove_dead_leftovers(opts, m)
         m.unregister(proc_id)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
     c, g, win = m.counts(), m.progress()["jobs"], m.window()
     click.echo(f"extract: {'finished' if m.extract_done() else 'stopped'}: {c['written']} written, "
                f"{g['trained']} consumed, {c['pending']} pending, {c['failed']} failed "
                f"| window {win['shards']} shards, {win['bytes']:,} bytes")
-    if any(code == EXIT_DISK_FULL for code in codes.values()):
+    if any(w.code == EXIT_DISK_FULL for w in workers):
         return EXIT_DISK_FULL
     if c["failed"]:
         return EXIT_ERROR
@@ -93,8 +143,54 @@ def run_extract(opts: ExtractOptions) -> int:
     return 0
 
 
-def _watch(m: Manifest, opts: ExtractOptions, workers, codes: dict, messages: list, status_q, stopping) -> None:
-    """Until every worker has exited: collect exit codes and messages, draw the progress line."""
+def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, status_q, tmp) -> None:
+    """Set ``w.code`` once worker ``w`` is over. A group with a dead process is stopped whole, and
+    restarted when that process was killed by a signal (up to GROUP_RESTARTS times)."""
+    codes = [p.exitcode for p in w.procs]
+    if len(w.procs) == 1:
+        if codes[0] is not None:
+            w.code = codes[0]
+            if w.code not in (0, EXIT_DISK_FULL) and not stopping["n"]:
+                click.echo(f"extract: worker {w.index} ({w.devices[0]}, pid {w.procs[0].pid}) died with exit code "
+                           f"{w.code}; its job will be reclaimed, the other workers go on", err=True)
+                _remove_dead_leftovers(opts, m)  # its half-written shard, if any
+        return
+    dead = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+    killed = [(r, c) for r, c in dead if c < 0]
+    if None in codes and not killed and (dead or codes[0] == 0):
+        # the leader is done (it told the followers to stop), or ranks exited with an error (the others
+        # follow them): they get a grace to exit on their own and report, then are killed
+        w.wait_since = w.wait_since or time.time()
+        if time.time() - w.wait_since < GROUP_GRACE_S:
+            return
+    elif None in codes and not dead:
+        return
+    w.kill()  # no rank of a broken group may wait for the others
+    if not dead:
+        w.code = 0
+        return
+    _remove_dead_leftovers(opts, m)
+    rank, code = (killed or dead)[0]  # name the one killed by a signal: the others followed it
+    if code == EXIT_DISK_FULL or stopping["n"]:
+        w.code = code
+        return
+    again = bool(killed) and w.restarts < GROUP_RESTARTS and (not m.extract_done() or should_stay(m, opts))
+    how = "was killed" if killed else "exited with an error"
+    click.echo(f"extract: worker {w.index} (tensor-parallel group {','.join(w.devices)}, leader pid "
+               f"{w.procs[0].pid}): rank {rank} (pid {w.procs[rank].pid}) {how} (exit code {code}); the whole "
+               "group is stopped and a job it held goes back to pending; "
+               + (f"restarting it ({w.restarts + 1} of {GROUP_RESTARTS})" if again else "not restarting it"),
+               err=True)
+    if again:
+        w.restarts += 1
+        w.start(ctx, opts, status_q, tmp)
+    else:
+        w.code = code
+
+
+def _watch(m: Manifest, opts: ExtractOptions, workers: list[_Worker], messages: list, status_q, stopping, ctx,
+           tmp) -> None:
+    """Until every worker is over: collect exit codes and messages, draw the progress line."""
     total = sum(m.counts().values())
     t0, tokens0 = time.time(), m.progress()["tokens"]["extracted"]
     bar = click.progressbar(length=total, label="extract", show_pos=True, file=sys.stderr) \
@@ -102,13 +198,9 @@ def _watch(m: Manifest, opts: ExtractOptions, workers, codes: dict, messages: li
     last_line = 0.0
     while True:
         _drain_status(status_q, messages)
-        for i, w in enumerate(workers):
-            if i not in codes and w.exitcode is not None:
-                codes[i] = w.exitcode
-                if w.exitcode not in (0, EXIT_DISK_FULL) and not stopping["n"]:
-                    click.echo(f"extract: worker {i} ({opts.devices[i]}, pid {w.pid}) died with exit code "
-                               f"{w.exitcode}; its job will be reclaimed, the other workers go on", err=True)
-                    _remove_dead_leftovers(opts, m)  # its half-written shard, if any
+        for w in workers:
+            if w.code is None:
+                _check_worker(m, opts, w, stopping, ctx, status_q, tmp)
         c, prog, win = m.counts(), m.progress(), m.window()
         done = total - prog["jobs"]["to_extract"] - c["failed"]
         rate = (prog["tokens"]["extracted"] - tokens0) / max(1e-9, time.time() - t0)
@@ -122,7 +214,7 @@ def _watch(m: Manifest, opts: ExtractOptions, workers, codes: dict, messages: li
         elif time.time() - last_line > 5:
             click.echo(f"extract: {line}", err=True)
             last_line = time.time()
-        if len(codes) == len(workers):
+        if all(w.code is not None for w in workers):
             return
         time.sleep(POLL_S)
 
@@ -141,6 +233,7 @@ def _drain_status(q, messages: list[str]) -> None:
         except (queue.Empty, EOFError, OSError):
             return
         if msg[0] == "error":
-            messages.append(f"worker {msg[1]}: {msg[2]}")
+            if not any(x.endswith(f": {msg[2]}") for x in messages):  # the ranks of a group agree: say it once
+                messages.append(f"worker {msg[1]}: {msg[2]}")
         elif msg[0] == "job_error":
             messages.append(f"worker {msg[1]}: job {msg[2]} failed ({msg[3]}); now {msg[4]}")

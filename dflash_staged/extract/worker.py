@@ -16,6 +16,9 @@ Each worker loops (see :mod:`dflash_staged.extract.supervisor` for the process m
 At most two shards per worker are in host memory (one being written, one waiting). Errors
 return the job to pending (``failed`` after ``extract.max_attempts`` errors); a full disk gives
 the job back and stops the worker with :data:`EXIT_DISK_FULL`.
+
+A tensor-parallel worker (``--tp N``) is N processes: the leader runs this loop and broadcasts
+each batch to the followers, which run the same forward (:mod:`dflash_staged.extract.group`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from dflash_staged.config import Config
 from dflash_staged.dtypes import dtype_name
 from dflash_staged.errors import DflashError
+from dflash_staged.extract.group import Group, GroupBroken, follow
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, ExtractOptions
 from dflash_staged.manifest import Job, Manifest
 from dflash_staged.procs import die_with_parent
@@ -176,7 +180,7 @@ def should_stay(m: Manifest, opts: ExtractOptions) -> bool:
 
 
 def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: ExtractOptions, rank: int, status_q,
-          keep_going) -> None:
+          keep_going, group: Group) -> None:
     """Claim, compute, hand over, until nothing is left (or ``keep_going()`` turns false)."""
     from dflash_staged.model.target import pack_unpadded
     worker_id = f"w{rank}-{os.getpid()}"
@@ -191,18 +195,29 @@ def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: Extract
             if not waiting:
                 waiting = True
                 status_q.put(("wait", rank, "window" if r.window_full else "idle", r.window))
+            group.idle()
             time.sleep(POLL_S)
             continue
         waiting = False
         job = r.job
         lease.hold(job)
+        error = None
         try:
             ids, attn, lengths, packed_ids, loss_mask, cu, sample_ids = batch_tensors(m, job)
-            hidden = pack_unpadded(target.capture(ids, attn), lengths)
         except Exception as e:  # noqa: BLE001 - the job goes back to pending / failed
+            error = f"{type(e).__name__}: {e}"
+        else:
+            group.send(("job", ids, attn))  # the followers run the same forward
+            try:
+                hidden = pack_unpadded(target.capture(ids, attn), lengths)
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+            if not group.all_ok(error is None):  # a broken group raises here, and the worker stops
+                error = error or "the forward failed on another rank of this tensor-parallel group"
+        if error is not None:
             lease.drop(job)
-            state = m.fail(job, f"{type(e).__name__}: {e}", opts.max_attempts)
-            status_q.put(("job_error", rank, job.id, f"{type(e).__name__}: {e}", state))
+            state = m.fail(job, error, opts.max_attempts)
+            status_q.put(("job_error", rank, job.id, error, state))
             continue
         if lease.is_lost(job):
             lease.drop(job)
@@ -212,44 +227,80 @@ def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: Extract
         status_q.put(("claimed", rank, job.id, int(packed_ids.numel())))
 
 
-def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
-    """One extract worker process. Exit code 0 = done/stopped, 3 = disk full, 2 = error."""
+def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions, status_q,
+                init_file: str | None = None) -> None:
+    """Rank ``rank`` of extract worker ``index`` (one process on ``devices[0]``, or one rank of a
+    tensor-parallel group on ``devices``). Exit code 0 = done/stopped, 3 = disk full, 2 = error."""
     die_with_parent()
     sup = mp.parent_process()
     parent = sup.pid if sup is not None else os.getppid()
     if os.getppid() != parent:  # the supervisor died before PR_SET_PDEATHSIG took effect: no orphans
         sys.exit(EXIT_ERROR)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a follower waits for its leader's "stop"
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    device = devices[rank]
     if device.startswith("cpu"):
         n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         torch.set_num_threads(n or max(1, (os.cpu_count() or 1) // max(1, len(opts.devices))))
-    m = Manifest.open(opts.manifest)
+    who = index if rank == 0 else f"{index} rank {rank}"
+    try:
+        group = Group.join(devices, rank, init_file, opts.lease_s) if len(devices) > 1 else Group()
+    except Exception as e:  # noqa: BLE001 - e.g. a sibling died before the group met
+        status_q.put(("error", who, f"cannot join the tensor-parallel group on {','.join(devices)}: "
+                                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+        sys.exit(EXIT_ERROR)
+    m = Manifest.open(opts.manifest, readonly=not group.leader)
     cfg = m.config
     if opts.dtype:
         cfg.target.dtype = opts.dtype
     cfg.target.allow_slow_kernels = cfg.target.allow_slow_kernels or opts.allow_slow_kernels
     from dflash_staged.model.target import load_target
+    error = None
     try:
         target = load_target(cfg.target, device, layer_ids=m.meta.get("layer_ids") or None,
-                             num_draft_layers=cfg.drafter.num_hidden_layers)
-        store = open_store_for(m, opts.store, target, cfg)
+                             num_draft_layers=cfg.drafter.num_hidden_layers, tp=group.size)
+        store = open_store_for(m, opts.store, target, cfg) if group.leader else None
+    except Exception as e:  # noqa: BLE001 - reported; every rank of a group stops together
+        error = (e, traceback.format_exc())
+    try:
+        loaded = group.all_ok(error is None)
+    except GroupBroken as e:
+        loaded, error = False, error or (e, "")
+    if not loaded:
+        if error is not None:
+            status_q.put(("error", who, str(error[0]) if isinstance(error[0], DflashError) else error[1]))
+        group.close()
+        sys.exit(EXIT_DISK_FULL if error and isinstance(error[0], StoreFullError) else EXIT_ERROR)
+    if not group.leader:
+        m.close()
+        code = 0
+        try:
+            follow(target, group)
+        except GroupBroken as e:  # the leader died: the supervisor stops (and restarts) the group
+            status_q.put(("error", who, str(e)))
+            code = EXIT_ERROR
+        group.close()
+        sys.exit(code)
+    try:  # both open their own manifest handles now: an unreachable manifest is one clean line
         lease = Lease(opts)
         publisher = Publisher(opts, store, lease)
-        lease.start()
     except DflashError as e:
-        status_q.put(("error", rank, str(e)))
-        sys.exit(EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR)
+        status_q.put(("error", who, str(e)))
+        group.stop()
+        group.close()
+        sys.exit(EXIT_ERROR)
+    lease.start()
     code = 0
     try:
-        _loop(m, target, publisher, lease, opts, rank, status_q,
-              keep_going=lambda: not stop.is_set() and os.getppid() == parent)
+        _loop(m, target, publisher, lease, opts, index, status_q,
+              keep_going=lambda: not stop.is_set() and os.getppid() == parent, group=group)
         publisher.close()
     except BaseException as e:  # noqa: BLE001
         code = EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR
-        status_q.put(("error", rank, str(e) if isinstance(e, DflashError) else traceback.format_exc()))
+        status_q.put(("error", index, str(e) if isinstance(e, DflashError) else traceback.format_exc()))
     finally:
+        group.stop()
         try:
             publisher.close()
         except BaseException:  # noqa: BLE001
@@ -261,4 +312,5 @@ def worker_main(rank: int, device: str, opts: ExtractOptions, status_q) -> None:
         except DflashError:
             pass  # the manifest is unreachable: those claims return to pending when their leases expire
         m.close()
+        group.close()
     sys.exit(code)

@@ -31,6 +31,8 @@ def _common(fn):
         click.option("--window-bytes", default=None, help="Byte cap of the window, e.g. 200G."),
         click.option("--keep-shards", is_flag=True, help="Keep consumed shards for later `train --replay`."),
         click.option("--allow-slow-kernels", is_flag=True, help="Hybrid target on CUDA without fla/causal-conv1d."),
+        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Extract devices per worker: a tensor-parallel target over each group of TP."),
         click.option("--status-every", type=float, default=10.0, show_default=True,
                      help="Seconds between combined status lines."),
         click.option("--summary-json", type=click.Path(path_type=Path), default=None,
@@ -73,7 +75,7 @@ _CTX = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 @_common
 @click.option("--devices", default="cpu", show_default=True, help="Extract workers: cpu, cpu,cpu or cuda:0,...")
 @user_errors
-def pipeline(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels,
+def pipeline(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels, tp,
              status_every, summary_json, dry_run, train_args, devices):
     """Plan if needed, then extract on --devices and train, side by side.
 
@@ -81,20 +83,21 @@ def pipeline(config, data, workdir, manifest, epochs, seed, window, window_bytes
     """
     layout = pipeline_layout(config, data, workdir, devices=devices, epochs=epochs, seed=seed, window=window,
                              window_bytes=window_bytes, keep_shards=keep_shards,
-                             allow_slow_kernels=allow_slow_kernels, train_args=train_args, manifest=manifest)
+                             allow_slow_kernels=allow_slow_kernels, train_args=train_args, manifest=manifest, tp=tp)
     sys.exit(_run_layout(layout, status_every, summary_json, dry_run))
 
 
 @click.command(context_settings=_CTX)
 @_common
-@click.option("--extract-gpus", required=True, help="GPUs running the target, one extract worker each: 0,1,2,3.")
-@click.option("--train-gpus", required=True, help="GPUs training the drafter (torchrun ranks): 4,5,6,7.")
+@click.option("--extract-gpus", required=True,
+              help="GPUs running the target, one extract worker each (with --tp N: each N): 0,1,2,3 or 0-3.")
+@click.option("--train-gpus", required=True, help="GPUs training the drafter (torchrun ranks): 4,5,6,7 or 4-7.")
 @click.option("--target-tok-s", type=float, default=None,
-              help="Assumed extract tokens/s per target GPU, for the disk bandwidth it prints [default: 8000, "
-                   "an 8B dense target in bf16 on an H100-class GPU].")
+              help="Assumed extract tokens/s per extract worker (one GPU, or one group of --tp GPUs), for the "
+                   "disk bandwidth it prints [default: 8000, an 8B dense target in bf16 on an H100-class GPU].")
 @click.option("--hidden-size", type=int, default=None, help="Target hidden size, when it cannot be read offline.")
 @user_errors
-def node(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels,
+def node(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels, tp,
          status_every, summary_json, dry_run, train_args, extract_gpus, train_gpus, target_tok_s, hidden_size):
     """One GPU node: extract on --extract-gpus, train under torchrun on --train-gpus, side by side.
 
@@ -104,5 +107,5 @@ def node(config, data, workdir, manifest, epochs, seed, window, window_bytes, ke
                          seed=seed, window=window, window_bytes=window_bytes, keep_shards=keep_shards,
                          allow_slow_kernels=allow_slow_kernels,
                          target_tok_s=target_tok_s or DEFAULT_TARGET_TOK_S, hidden_size=hidden_size,
-                         train_args=train_args, manifest=manifest)
+                         train_args=train_args, manifest=manifest, tp=tp)
     sys.exit(_run_layout(layout, status_every, summary_json, dry_run))

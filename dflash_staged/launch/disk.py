@@ -2,8 +2,9 @@
 
 A token costs ``K x H x itemsize`` bytes of tapped hidden states plus 5 bytes (int32 id + uint8
 loss mask). Every byte is written once by extract and read once by train, so the store must
-sustain ``2 x tok/s x extract GPUs x bytes/token``. The disk a window needs is
-``window shards x real tokens per job x bytes/token``.
+sustain ``2 x tok/s per worker x extract workers x bytes/token``, where a worker is one GPU, or
+with ``--tp N`` a group of N GPUs (extract GPUs / N workers, each with its group's rate). The disk
+a window needs is ``window shards x real tokens per job x bytes/token``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 from dflash_staged.store import bytes_per_token
 
 # Hidden sizes of the recipe targets, for the disk arithmetic when the model is not on local disk.
-KNOWN_HIDDEN = {"Qwen/Qwen3-8B": 4096, "Qwen/Qwen3.5-27B": 5120}
+KNOWN_HIDDEN = {"Qwen/Qwen3-8B": 4096, "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.6-35B-A3B": 2048,
+                "Qwen/Qwen3.5-122B-A10B": 3072}
 
 
 def target_hidden_size(model: str, override: int | None = None) -> int | None:
@@ -38,11 +40,18 @@ def _si(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def disk_requirements(config: Path, n_gpus: int, tok_s_per_gpu: float, hidden_override: int | None,
-                      manifest: Path | str | None, window: int | None,
-                      itemsize: int | None = None) -> tuple[dict, list[str]]:
+def _workers(n_gpus: int, tp: int) -> str:
+    if tp == 1:
+        return f"{n_gpus} worker(s) (one per extract GPU)"
+    return f"{n_gpus // tp} worker(s) ({n_gpus} extract GPUs in tensor-parallel groups of {tp})"
+
+
+def disk_requirements(config: Path, n_gpus: int, tok_s_per_worker: float, hidden_override: int | None,
+                      manifest: Path | str | None, window: int | None, itemsize: int | None = None,
+                      tp: int = 1) -> tuple[dict, list[str]]:
     """Bytes/token, write + read bandwidth and window disk of a node layout: (numbers, printable lines).
-    `itemsize` defaults to the target dtype on CUDA (auto = bfloat16: 2 bytes)."""
+    `n_gpus` extract GPUs make `n_gpus // tp` workers of `tok_s_per_worker` each. `itemsize` defaults
+    to the target dtype on CUDA (auto = bfloat16: 2 bytes)."""
     from dflash_staged.config import load_config
     cfg = load_config(config)
     itemsize = itemsize or {"float32": 4}.get(cfg.target.dtype, 2)
@@ -56,19 +65,20 @@ def disk_requirements(config: Path, n_gpus: int, tok_s_per_gpu: float, hidden_ov
     k = len(layer_ids or cfg.target.target_layer_ids) or cfg.drafter.num_hidden_layers
     hidden = target_hidden_size(cfg.target.model, hidden_override)
     window = window if window is not None else cfg.extract.window
-    d = {"k": k, "hidden": hidden, "itemsize": itemsize, "extract_gpus": n_gpus, "tok_s_per_gpu": tok_s_per_gpu,
-         "window": window, "avg_tokens_per_job": avg_tokens, "avg_exact": exact}
+    workers = n_gpus // tp
+    d = {"k": k, "hidden": hidden, "itemsize": itemsize, "extract_gpus": n_gpus, "tp": tp, "extract_workers": workers,
+         "tok_s_per_worker": tok_s_per_worker, "window": window, "avg_tokens_per_job": avg_tokens, "avg_exact": exact}
     if hidden is None:
         return d, [f"disk: hidden size of {cfg.target.model!r} unknown offline; pass --hidden-size H for the "
                    "bandwidth and window arithmetic"]
     bpt = bytes_per_token(k, hidden, itemsize)
-    write = tok_s_per_gpu * n_gpus * bpt
+    write = tok_s_per_worker * workers * bpt
     win = window * avg_tokens * bpt
     d.update(bytes_per_token=bpt, write_Bps=write, store_Bps=2 * write, window_bytes=win)
     lines = [
         f"bytes per token: K={k} tapped layers x hidden {hidden} x {itemsize} B + 5 B (id, loss mask) = {bpt:,} B",
-        f"disk bandwidth: {tok_s_per_gpu:,.0f} tok/s per GPU (--target-tok-s) x {n_gpus} extract GPU(s) x {bpt:,} B "
-        f"= {_si(write)}/s written; each byte is read once by train, so the store must sustain "
+        f"disk bandwidth: {tok_s_per_worker:,.0f} tok/s per extract worker (--target-tok-s) x {_workers(n_gpus, tp)}"
+        f" x {bpt:,} B = {_si(write)}/s written; each byte is read once by train, so the store must sustain "
         f"{_si(2 * write)}/s (write + read)",
         f"window disk: {window} shards x {avg_tokens:,.0f} real tokens per job "
         f"({'plan average' if exact else 'upper bound: data.token_budget; exact after planning'}) x {bpt:,} B "

@@ -6,8 +6,9 @@ already holds this plan), the extract and train processes with their environment
 print. :func:`dflash_staged.launch.supervise.run_side_by_side` runs a layout.
 
 Node layout: GPU ids are indices into the launcher's ``CUDA_VISIBLE_DEVICES`` when that is set,
-else the ids ``nvidia-smi`` shows. Extract sees only its GPUs (``CUDA_VISIBLE_DEVICES``) and runs
-one worker per GPU (``--devices cuda:0,...,cuda:n-1``); train sees only its GPUs and runs
+else the ids ``nvidia-smi`` shows; a list may use ranges (``0-3,6,7``). Extract sees only its GPUs
+(``CUDA_VISIBLE_DEVICES``) and runs one worker per GPU (``--devices cuda:0,...,cuda:n-1``), or with
+``--tp N`` one tensor-parallel worker per N consecutive GPUs; train sees only its GPUs and runs
 under torchrun (``python -m torch.distributed.run --standalone --nproc-per-node G``) when
 G > 1, with ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` raised so a clean stop has time to checkpoint.
 
@@ -25,9 +26,10 @@ from dflash_staged.errors import DflashError
 from dflash_staged.launch.disk import disk_requirements
 from dflash_staged.launch.supervise import PY, Proc
 
-# Assumed extract throughput per target GPU (real tokens/s) of an 8B dense target in bf16 on an
+# Assumed extract throughput per extract worker (real tokens/s) of an 8B dense target in bf16 on one
 # H100-class GPU, prefill only and stopped after the deepest tapped layer. Measure yours with
-# bench/gpu_smoke.sh or read extract's own tok/s line, and pass --target-tok-s.
+# bench/gpu_smoke.sh or read extract's own tok/s line, and pass --target-tok-s (with --tp N: the rate
+# of one group of N GPUs).
 DEFAULT_TARGET_TOK_S = 8000
 SHUTDOWN_TIMEOUT_S = 600  # torchrun's grace for a clean stop (its default of 30 s is too short to checkpoint)
 
@@ -83,8 +85,10 @@ def plan_cmd_if_needed(config: Path, data: Path, manifest: Path | str, epochs: i
 
 
 def _extract_args(manifest: Path, store: Path, devices: str, window, window_bytes, allow_slow: bool,
-                  train_ranks: int = 1) -> list[str]:
+                  train_ranks: int = 1, tp: int = 1) -> list[str]:
     args = dflash_cmd("extract", "--manifest", manifest, "--store", store, "--devices", devices)
+    if tp > 1:
+        args += ["--tp", str(tp)]
     if train_ranks > 1:
         args += ["--train-ranks", str(train_ranks)]
     if window is not None:
@@ -107,8 +111,9 @@ BASE_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 def pipeline_layout(config: Path, data: Path, workdir: Path, *, devices: str = "cpu", epochs: int = 1,
                     seed: int = 0, window=None, window_bytes=None, keep_shards: bool = False,
                     allow_slow_kernels: bool = False, train_args: tuple[str, ...] = (),
-                    manifest: str | None = None) -> Layout:
-    """Plan if needed, then extract on `devices` and train (on CPU when every extract device is)."""
+                    manifest: str | None = None, tp: int = 1) -> Layout:
+    """Plan if needed, then extract on `devices` (groups of `tp`) and train (on CPU when every extract
+    device is)."""
     workdir = Path(workdir)
     m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
     extra = tuple(train_args)
@@ -123,16 +128,29 @@ def pipeline_layout(config: Path, data: Path, workdir: Path, *, devices: str = "
         env_ex["OMP_NUM_THREADS"] = str(max(1, half // len(cpu_devs)))
         env_tr["OMP_NUM_THREADS"] = str(half)
     return Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
-                  Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels), env_ex),
+                  Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, tp=tp),
+                       env_ex),
                   Proc("train", [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)], env_tr),
                   manifest_address=manifest)
 
 
+def _gpu_list(text: str) -> list[str] | None:
+    """'0,1,2,3' or '0-3' or '0-1,4,6-7' -> the indices in order; None when malformed."""
+    out: list[str] = []
+    for part in (t.strip() for t in text.split(",")):
+        lo, dash, hi = part.partition("-")
+        if not (lo.isdigit() and (not dash or hi.isdigit())) or (dash and int(hi) < int(lo)):
+            return None
+        out += [str(i) for i in range(int(lo), int(hi if dash else lo) + 1)]
+    return out
+
+
 def parse_gpus(text: str, flag: str) -> list[str]:
-    """'0,1,2,3' -> physical ids, mapped through the launcher's CUDA_VISIBLE_DEVICES when set."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items or not all(t.isdigit() for t in items) or len(set(items)) != len(items):
-        raise DflashError(f"{flag} {text!r}: give distinct GPU indices separated by commas, e.g. 0,1,2,3")
+    """'0,1,2,3' (or '0-3') -> physical ids, mapped through the launcher's CUDA_VISIBLE_DEVICES when set."""
+    items = _gpu_list(text)
+    if not items or len(set(items)) != len(items):
+        raise DflashError(f"{flag} {text!r}: give distinct GPU indices separated by commas or as ranges, "
+                          "e.g. 0,1,2,3 or 0-3")
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if not visible:
         return items
@@ -146,9 +164,13 @@ def parse_gpus(text: str, flag: str) -> list[str]:
 def node_layout(config: Path, data: Path, workdir: Path, *, extract_gpus: str, train_gpus: str, epochs: int = 1,
                 seed: int = 0, window=None, window_bytes=None, keep_shards: bool = False,
                 allow_slow_kernels: bool = False, target_tok_s: float = DEFAULT_TARGET_TOK_S,
-                hidden_size: int | None = None, train_args: tuple[str, ...] = (), manifest: str | None = None) -> Layout:
-    """One node: extract workers on `extract_gpus`, torchrun trainer ranks on `train_gpus`."""
+                hidden_size: int | None = None, train_args: tuple[str, ...] = (), manifest: str | None = None,
+                tp: int = 1) -> Layout:
+    """One node: extract workers on `extract_gpus` (groups of `tp`), torchrun trainer ranks on `train_gpus`."""
     ex, tr = parse_gpus(extract_gpus, "--extract-gpus"), parse_gpus(train_gpus, "--train-gpus")
+    if len(ex) % tp:
+        raise DflashError(f"--tp {tp} does not divide the {len(ex)} GPU(s) of --extract-gpus {extract_gpus}: give "
+                          f"a multiple of {tp} extract GPUs (each tensor-parallel worker takes {tp})")
     both = sorted(set(ex) & set(tr), key=int)
     if both:
         raise DflashError(f"GPU(s) {','.join(both)} are in both --extract-gpus and --train-gpus; give each stage "
@@ -164,10 +186,10 @@ def node_layout(config: Path, data: Path, workdir: Path, *, extract_gpus: str, t
     else:
         train_cmd = [PY, "-m", "dflash_staged", *train]
     layout = Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
-                    Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g),
+                    Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g, tp),
                          {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(ex)}),
                     Proc("train", train_cmd, {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(tr),
                                               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}),
                     manifest_address=manifest)
-    layout.disk_notes = lambda: disk_requirements(config, len(ex), target_tok_s, hidden_size, m, window)[1]
+    layout.disk_notes = lambda: disk_requirements(config, len(ex), target_tok_s, hidden_size, m, window, tp=tp)[1]
     return layout

@@ -195,14 +195,16 @@ class Target:
         return not self.is_hybrid
 
     @contextlib.contextmanager
-    def _taps(self, out: torch.Tensor, stop: bool):
-        """Hooks writing layer ``layer_ids[k]``'s output into ``out[:, :, k]``; optionally stop after the deepest."""
+    def _taps(self, out: torch.Tensor | None, stop: bool):
+        """Hooks writing layer ``layer_ids[k]``'s output into ``out[:, :, k]`` (none with ``out=None``);
+        optionally stop after the deepest."""
         deepest = max(self.layer_ids)
 
         def make_hook(k: int, last: bool):
             def hook(module, args, output):
-                hs = output[0] if isinstance(output, (tuple, list)) else output
-                out[:, :, k].copy_(hs)
+                if out is not None:
+                    hs = output[0] if isinstance(output, (tuple, list)) else output
+                    out[:, :, k].copy_(hs)
                 if last:
                     raise _StopForward
             return hook
@@ -219,12 +221,16 @@ class Target:
         B, L = input_ids.shape
         return torch.empty(B, L, len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device)
 
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Tapped layer outputs ``[B, L, K, H]`` of a right-padded batch, with the forward stopped early."""
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                keep: bool = True) -> torch.Tensor | None:
+        """Tapped layer outputs ``[B, L, K, H]`` of a right-padded batch, with the forward stopped early.
+
+        ``keep=False`` runs the same forward and keeps nothing (a tensor-parallel rank that does not
+        write the shard); it returns None."""
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
-        out = self._empty_taps(input_ids)
+        out = self._empty_taps(input_ids) if keep else None
         with torch.inference_mode(), self._taps(out, stop=True):
             try:
                 self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -272,23 +278,30 @@ def _load_error(cfg: TargetConfig, what: str, e: Exception) -> DflashError:
 
 
 def load_target(cfg: TargetConfig, device="cpu", *, layer_ids: list[int] | None = None,
-                num_draft_layers: int = 1) -> Target:
+                num_draft_layers: int = 1, tp: int = 1) -> Target:
     """Load the target LM on ``device`` in eval mode, after the kernel preflight.
 
     ``layer_ids`` overrides the tapped layers; otherwise :func:`resolve_layer_ids`
-    picks them from ``cfg`` and ``num_draft_layers``.
+    picks them from ``cfg`` and ``num_draft_layers``. ``tp > 1`` loads this process's
+    slice of a tensor-parallel target (contract: :mod:`dflash_staged.model.parallel`).
     """
+    from dflash_staged.model.parallel import check_sharded, check_tp, shard_built_model, tp_kwargs
     device = torch.device(device)
     dtype = resolve_dtype(cfg.dtype, device)
+    what = f"target.model={cfg.model!r}"
     if _is_tiny(cfg):
         from dflash_staged.model.tiny import build_tiny_model, tiny_config
         kind = _tiny_kind(cfg)
         model_config = tiny_config(kind)
         preflight_kernels(model_config, device, cfg.allow_slow_kernels)
+        check_tp(model_config, tp, what)
         model = build_tiny_model(kind, seed=cfg.seed, dtype=dtype)
-        if cfg.attn_implementation != model.config._attn_implementation:
-            model.set_attn_implementation(cfg.attn_implementation)
-        model.to(device)
+        if tp > 1:  # placed on this rank's device by the loading
+            model = shard_built_model(model, tp, dtype, cfg.attn_implementation)
+        else:
+            if cfg.attn_implementation != model.config._attn_implementation:
+                model.set_attn_implementation(cfg.attn_implementation)
+            model.to(device)
     else:
         from transformers import AutoConfig, AutoModelForCausalLM
         try:
@@ -296,20 +309,26 @@ def load_target(cfg: TargetConfig, device="cpu", *, layer_ids: list[int] | None 
         except (OSError, ValueError) as e:
             raise _load_error(cfg, "config", e) from None
         preflight_kernels(model_config, device, cfg.allow_slow_kernels)
+        check_tp(model_config, tp, what)
         kwargs = dict(_hf_kwargs(cfg), dtype=dtype, attn_implementation=cfg.attn_implementation)
-        if device.type != "cpu":
+        if tp > 1:
+            kwargs.update(tp_kwargs(tp))  # places this rank's slice on its own device
+        elif device.type != "cpu":
             kwargs["device_map"] = {"": str(device)}
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
         except (OSError, ValueError) as e:
             raise _load_error(cfg, "weights", e) from None
-        if "device_map" not in kwargs:
+        if tp == 1 and "device_map" not in kwargs:
             model.to(device)
         model_config = model.config
     text = text_config(model_config)
     if layer_ids is None:
         layer_ids = resolve_layer_ids(cfg, text.num_hidden_layers, num_draft_layers)
-    return Target(model, layer_ids, _target_id(cfg, model_config), device, model_config)
+    target = Target(model, layer_ids, _target_id(cfg, model_config), device, model_config)
+    if tp > 1:
+        check_sharded(model, target.layers, tp, what)
+    return target
 
 
 def load_tokenizer(cfg: TargetConfig):

@@ -20,7 +20,7 @@ import torch
 VOCAB = 2048
 PAD, BOS, EOS, MASK = 0, 1, 2, 3
 FIRST_DATA_ID = 4
-KINDS = ("qwen3", "qwen3_5", "qwen3_next")
+KINDS = ("qwen3", "qwen3_5", "qwen3_next", "qwen3_moe")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -31,13 +31,18 @@ _HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
 
 
 def tiny_config(kind: str = "qwen3"):
-    """A transformers config for a tiny target of `kind` (qwen3, qwen3_5, qwen3_next)."""
+    """A transformers config for a tiny target of `kind` (qwen3, qwen3_moe, qwen3_5, qwen3_next)."""
     common = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
                   rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False)
     if kind == "qwen3":
         from transformers import Qwen3Config
         return Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, **common)
+    if kind == "qwen3_moe":  # Qwen3-MoE: every layer's MLP is 4 routed experts, top-2
+        from transformers import Qwen3MoeConfig
+        return Qwen3MoeConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, decoder_sparse_step=1, **common)
     hybrid = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, layer_types=_HYBRID_LAYERS * 2,
                   linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,

@@ -157,10 +157,12 @@ class FakeTarget:
         self.target_id = "fake-target"
         self.delay_s = delay_s
 
-    def capture(self, input_ids, attention_mask=None):
+    def capture(self, input_ids, attention_mask=None, keep=True):
         torch = self.torch
         if self.delay_s:
             time.sleep(self.delay_s)
+        if not keep:  # a tensor-parallel follower
+            return None
         B, L = input_ids.shape
         k = torch.arange(len(self.layer_ids), dtype=torch.float32).view(1, 1, -1, 1)
         h = torch.arange(self.hidden_size, dtype=torch.float32).view(1, 1, 1, -1)
@@ -170,7 +172,7 @@ class FakeTarget:
 def _patch_target(mod) -> None:
     fake = CFG["fake_target"]
 
-    def load_target(cfg, device="cpu", *, layer_ids=None, num_draft_layers=1):
+    def load_target(cfg, device="cpu", *, layer_ids=None, num_draft_layers=1, tp=1):
         return FakeTarget(layer_ids or [1], int(fake.get("hidden", 8)), float(fake.get("delay_s", 0.0)))
 
     mod.load_target = load_target
