@@ -45,8 +45,8 @@ def context_visible(key_pos, anchor, q_off, window: int):
 
 
 def block_visible(key_off, q_off, window: int):
-    """Whether the query at offset ``q_off`` sees offset ``key_off`` of its own block."""
-    return key_off <= q_off if window else key_off >= 0
+    """Whether the query at offset ``q_off`` sees offset ``key_off`` of its own block (offsets >= 0)."""
+    return key_off <= q_off if window else key_off + q_off >= 0
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

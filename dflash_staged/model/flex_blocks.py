@@ -17,6 +17,9 @@
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
 import torch
 
 from dflash_staged.config import ATTENTION_CHOICES
@@ -39,11 +42,11 @@ def flex_unavailable(device: torch.device) -> str | None:
         return (f"flex_attention has no backward pass on {device.type} in torch {torch.__version__}, and "
                 "training needs one")
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401
+        importlib.import_module("torch.nn.attention.flex_attention")
     except ImportError:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError:
         return "flex_attention compiles to Triton kernels on CUDA and Triton is not installed"
     return None
@@ -63,10 +66,12 @@ def resolve_attention(choice: str, device: torch.device) -> str:
 
 
 def _kernel(q, k, v, block_mask):
-    """``flex_attention`` (compiled on CUDA; eager elsewhere, forward only)."""
+    """``flex_attention`` (compiled on CUDA; eager elsewhere: forward only, the scores materialised)."""
     from torch.nn.attention.flex_attention import flex_attention
     if q.device.type != "cuda":
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if "flex" not in _compiled:
         import torch._dynamo
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
