@@ -115,12 +115,15 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
     spec_tok = spec_s = greedy_tok = greedy_s = 0.0
     identical = 0
     per_prompt = []
+    prompt_taus: list[float] = []
     for i, (line, ids) in enumerate(prompts):
         t = time.perf_counter()
         out = speculative_generate(target, proposer, ids, max_new_tokens, stop)
         dt = time.perf_counter() - t
         spec_tok, spec_s = spec_tok + len(out.tokens), spec_s + dt
         accepted_all += out.accepted
+        if out.accepted:  # a prompt that stopped at its first token has no verify step
+            prompt_taus.append(sum(out.accepted) / len(out.accepted))
         rec = {"line": line, "prompt_tokens": len(ids), "new_tokens": len(out.tokens),
                "tau": round(sum(out.accepted) / max(1, len(out.accepted)), 4), "spec_s": round(dt, 3)}
         if baseline:
@@ -133,9 +136,8 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
         per_prompt.append(rec)
         _say(f"prompt {i + 1}/{len(prompts)} (line {line}): {len(out.tokens)} tokens, tau {rec['tau']:.2f}"
              + (f", same as greedy: {rec['identical']}" if baseline else ""), quiet)
-    taus = [r["tau"] for r in per_prompt if r["new_tokens"] > 1]
     report = {**acceptance_stats(accepted_all, dcfg.block_size), "block_size": dcfg.block_size,
-              "tau_per_prompt_mean": round(sum(taus) / len(taus), 4) if taus else 0.0,
+              "tau_per_prompt_mean": sum(prompt_taus) / len(prompt_taus) if prompt_taus else 0.0,
               "prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "speculative": {"tokens": int(spec_tok), "seconds": round(spec_s, 3),
                               "tokens_per_s": round(spec_tok / max(spec_s, 1e-9), 2)}}

@@ -174,11 +174,13 @@ class SdpaBlocks:
 
 
 def anchor_chunk(N: int, M: int, Lmax: int, B: int, nheads: int, dev: torch.device) -> int:
-    """Anchors per sequence in one SDPA call: bounds the mask (CUDA kernels do not materialise
-    scores) or the scores (CPU math path) to ``ATTN_CHUNK_ELEMS``, and keeps the wasted
-    block-vs-other-blocks part no larger than the context part."""
+    """Anchors per sequence in one SDPA call. Each query of a chunk of ``c`` anchors is scored
+    against all ``c*B`` block keys of the chunk (``B`` of them visible), so ``c*B`` is held to an
+    eighth of the longest sequence (at least 4 anchors): with each chunk's keys cut to its
+    anchors, fine chunks waste little. The mask (CUDA kernels do not materialise scores) or
+    the scores (CPU math path) of one call stay within ``ATTN_CHUNK_ELEMS``."""
     per_key = N * (1 if dev.type == "cuda" else nheads)
-    c = max(1, min(M, max(Lmax, 16 * B) // B))
+    c = max(1, min(M, max(4, Lmax // (8 * B))))
     while c > 1 and per_key * c * B * (Lmax + c * B) > ATTN_CHUNK_ELEMS:
         c = (c + 1) // 2
     return c
