@@ -159,9 +159,9 @@ def sync(a):
         torch.cuda.synchronize()
 
 
-def peak_of(a, name) -> float:
+def peak_of(a, name, case=None) -> float:
     """MiB: one fwd+bwd step's peak memory (forward only for flex on CPU)."""
-    m, _, forward, step = attention_case(a)
+    m, _, forward, step = case or attention_case(a)
     run = forward if (name == "flex" and a.device == "cpu") else step
     if a.device == "cuda":
         run(name, [])  # compile / warm up
@@ -191,7 +191,7 @@ def attention_main(a) -> None:
     if a.peak_of:
         print(json.dumps({"peak_mib": peak_of(a, a.peak_of)}))
         return
-    m, anchors, forward, step = attention_case(a)
+    case = m, anchors, forward, step = attention_case(a)
     g = GEOMETRY[a.device]
     T, pair_flops = a.seqs * a.seq_len, 4 * g["head_dim"] * g["heads"]
     res: dict[str, dict] = {}
@@ -226,7 +226,7 @@ def attention_main(a) -> None:
             v[key] = statistics.median(v[key]) if v[key] else None
         v["train_tokens_per_s"] = T / v["step_s"] if v["step_s"] else None
         if a.device == "cuda":
-            v["peak_mib"] = peak_of(a, name)
+            v["peak_mib"] = peak_of(a, name, case)
         else:  # a fresh process per path, so one path's peak cannot hide another's
             argv = [sys.executable, __file__, "--attention", "--device", "cpu", "--peak-of", name]
             for k in SHAPES["cpu"]:

@@ -112,6 +112,12 @@ def test_released_style_config_is_read(tmp_path):
     g = torch.Generator().manual_seed(0)
     m = DFlashDrafter(y, torch.randn(500, 64, generator=g), torch.randn(500, 64, generator=g))
     assert m.rope_scale != 1.0  # yarn scales cos/sin
+    hybrid = dict(released, layer_types=["sliding_attention", "full_attention"], use_sliding_window=True,
+                  sliding_window=2048)  # as SpecForge's Qwen3.6-27B drafter (4 sliding + 1 full there)
+    h = DraftModelConfig.from_dict(hybrid)
+    assert (h.layer_types, h.sliding_window, h.use_sliding_window) == (hybrid["layer_types"], 2048, True)
+    assert {k: h.to_dict()[k] for k in ("layer_types", "sliding_window", "use_sliding_window")} == \
+        {k: hybrid[k] for k in ("layer_types", "sliding_window", "use_sliding_window")}
     with pytest.raises(DflashError, match="use_sliding_window is not true"):
         DraftModelConfig.from_dict(dict(released, layer_types=["sliding_attention", "full_attention"]))
     with pytest.raises(DflashError, match="sliding_window=None"):
