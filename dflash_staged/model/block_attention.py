@@ -122,6 +122,7 @@ class SdpaBlocks:
         self.anchor_pad[pk.a_seq, pk.a_slot] = pk.a_pos
         self.bounds = self._bounds(sorted(windows), cut_keys)
         self.computed = 0  # query-key pairs handed to SDPA (for the benchmark)
+        self._chunks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _bounds(self, windows: list[int], cut_keys: bool) -> dict[int, list[tuple[int, int]]]:
         """Per window, each chunk's context key range ``[lo, hi)`` (one host sync)."""
@@ -141,10 +142,29 @@ class SdpaBlocks:
         hi, lows = vals[0], iter(vals[1:])
         return {w: list(zip(next(lows) if w else [0] * n_chunks, hi)) for w in windows}
 
+    def _chunk(self, window: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``j``'s context key indices ``[N, Lc]`` and mask ``[N, 1, cB, Lc + cB]``, built once
+        per pass and shared by the layers of a kind."""
+        if (window, j) not in self._chunks:
+            pk, B = self.pk, self.pk.B
+            dev = pk.srt.device
+            lo, hi = self.bounds[window][j]
+            m0 = j * self.chunk
+            c = min(self.chunk, pk.M - m0)
+            key_pos = torch.arange(lo, hi, device=dev)
+            idx = (pk.cu[:-1, None] + key_pos).clamp(max=pk.T - 1)
+            anchor = self.anchor_pad[:, m0:m0 + c, None, None]  # [N, c, 1, 1]
+            offs = torch.arange(B, device=dev)[:, None]
+            see_ctx = context_visible(key_pos, anchor, offs, window).expand(-1, -1, B, -1).flatten(1, 2)
+            blk = torch.arange(c * B, device=dev)
+            see_blk = (blk[:, None] // B == blk[None] // B) & block_visible(blk[None] % B, blk[:, None] % B, window)
+            self._chunks[(window, j)] = idx, torch.cat([see_ctx, see_blk.expand(pk.N, -1, -1)], 2)[:, None]
+        return self._chunks[(window, j)]
+
     def __call__(self, q, k_c, v_c, k_b, v_b, window: int) -> torch.Tensor:
         """``q [A, B, nh, hd]``, context ``k_c/v_c [T, nkv, hd]``, block ``k_b/v_b [A, B, nkv, hd]``
         (anchors sorted) -> ``[A, B, nh, hd]``."""
-        pk, B, dev = self.pk, self.pk.B, q.device
+        pk, B = self.pk, self.pk.B
 
         def pad(t: torch.Tensor) -> torch.Tensor:
             out = t.new_zeros(pk.N, pk.M, *t.shape[1:])
@@ -152,21 +172,14 @@ class SdpaBlocks:
             return out
 
         q, k_b, v_b = pad(q), pad(k_b), pad(v_b)  # [N, M, B, heads, hd]
-        offs = torch.arange(B, device=dev)
         outs = []
         for j, (lo, hi) in enumerate(self.bounds[window]):
             m0 = j * self.chunk
             c = min(self.chunk, pk.M - m0)
-            key_pos = torch.arange(lo, hi, device=dev)
-            idx = (pk.cu[:-1, None] + key_pos).clamp(max=pk.T - 1)  # [N, Lc]
+            idx, mask = self._chunk(window, j)
             qc = q[:, m0:m0 + c].flatten(1, 2).transpose(1, 2)  # [N, nh, cB, hd]
             kc = torch.cat([k_c[idx], k_b[:, m0:m0 + c].flatten(1, 2)], 1).transpose(1, 2)
             vc = torch.cat([v_c[idx], v_b[:, m0:m0 + c].flatten(1, 2)], 1).transpose(1, 2)
-            anchor = self.anchor_pad[:, m0:m0 + c, None, None]  # [N, c, 1, 1]
-            see_ctx = context_visible(key_pos, anchor, offs[:, None], window).expand(-1, -1, B, -1).flatten(1, 2)
-            blk = torch.arange(c * B, device=dev)
-            see_blk = (blk[:, None] // B == blk[None] // B) & block_visible(blk[None] % B, blk[:, None] % B, window)
-            mask = torch.cat([see_ctx, see_blk.expand(pk.N, -1, -1)], 2)[:, None]
             self.computed += pk.N * c * B * (hi - lo + c * B)
             o = sdpa(qc, kc, vc, mask)
             outs.append(o.transpose(1, 2).unflatten(1, (c, B)))  # [N, c, B, nh, hd]
@@ -175,12 +188,12 @@ class SdpaBlocks:
 
 def anchor_chunk(N: int, M: int, Lmax: int, B: int, nheads: int, dev: torch.device) -> int:
     """Anchors per sequence in one SDPA call. Each query of a chunk of ``c`` anchors is scored
-    against all ``c*B`` block keys of the chunk (``B`` of them visible), so ``c*B`` is held to an
-    eighth of the longest sequence (at least 4 anchors): with each chunk's keys cut to its
-    anchors, fine chunks waste little. The mask (CUDA kernels do not materialise scores) or
+    against all ``c*B`` block keys of the chunk (``B`` of them visible), so ``c*B`` is held to a
+    quarter of the longest sequence (at least 4 anchors): with each chunk's keys cut to its
+    anchors, fine chunks waste little (finer still measured no faster on CPU). The mask (CUDA kernels do not materialise scores) or
     the scores (CPU math path) of one call stay within ``ATTN_CHUNK_ELEMS``."""
     per_key = N * (1 if dev.type == "cuda" else nheads)
-    c = max(1, min(M, max(4, Lmax // (8 * B))))
+    c = max(1, min(M, max(4, Lmax // (4 * B))))
     while c > 1 and per_key * c * B * (Lmax + c * B) > ATTN_CHUNK_ELEMS:
         c = (c + 1) // 2
     return c
