@@ -8,17 +8,18 @@ and whether the outputs are identical.
 Two taus, each named (both count the bonus token, as the reference does):
 
 * ``tau_per_prompt_mean``: the mean over prompts of each prompt's mean committed tokens per
-  verify step, the "Average Acceptance length" the reference ``dflash.benchmark`` prints and
-  published DFlash figures quote;
+  verify step, the "Average Acceptance length" the reference ``dflash.benchmark`` prints;
 * ``tau_pooled`` (also ``tau``): all committed tokens over all verify steps, which weighs long
   generations more.
 
-Comparing with published figures: those use ``--max-new-tokens 2048`` (our default, the
-reference benchmark's), greedy decoding, the target's chat template and benchmark prompts
-(gsm8k, math500, humaneval, mbpp, mt-bench) on GPU in bf16. tau depends on all of these, on
-the prompts most. Here the last block is shortened so no more than ``--max-new-tokens`` are
-committed and a stop token ends the count, where the reference counts the whole last block:
-at most one step per prompt differs.
+Comparing with published figures: the reference benchmark (z-lab ``dflash.benchmark``)
+decodes greedily with ``--max-new-tokens 2048`` (our default), the target's chat template and
+benchmark prompts (gsm8k, math500, humaneval, mbpp, mt-bench), on GPU in bf16, and prints the
+per-prompt mean. A figure from it compares with ``tau_per_prompt_mean`` here only for the same
+target, drafter, prompts and length: tau depends on all of them, on the prompts most, and a
+shorter ``--max-new-tokens`` measures only the start of each answer. Here the last block is
+shortened so no more than ``--max-new-tokens`` are committed and a stop token ends the count,
+where the reference counts the whole last block: at most one step per prompt differs.
 """
 
 

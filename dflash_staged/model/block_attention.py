@@ -12,10 +12,12 @@ of the anchor at position ``a`` of a sequence attends to
 
 A sliding layer is therefore a causal sliding window of ``W`` positions that counts the query's
 own position (Hugging Face's ``sliding_window``), over the context cut at the anchor followed
-by the block: what SpecForge trains and SGLang and vLLM serve (both run DFlash sliding layers
-as causal windowed attention; SGLang stores ``window_left = W - 1``). The z-lab transformers
-class keeps the block bidirectional and, with SDPA, ignores the window: it agrees with these
-semantics for ``full_attention`` layers only.
+by the block. Who agrees: SpecForge trains exactly this (its sliding DFlash mask); SGLang
+serves sliding DFlash layers as causal windowed attention (``window_left = W - 1``), and so
+does vLLM (causal with the layer's window; mixed sliding/full layouts on its V2 model runner,
+which z-lab's README installs from a vLLM pull request for interleaved sliding windows). The z-lab
+transformers class keeps the block bidirectional and, with SDPA, ignores the window: it
+agrees for ``full_attention`` layers only.
 
 :class:`Packing` is the geometry of one training pass (packed sequences, anchors in any
 order); :class:`SdpaBlocks` evaluates the rule with ``scaled_dot_product_attention`` and a
