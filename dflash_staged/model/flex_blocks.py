@@ -74,7 +74,9 @@ def _kernel(q, k, v, block_mask):
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if "flex" not in _compiled:
         import torch._dynamo
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
+        setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
         _compiled["flex"] = torch.compile(flex_attention, dynamic=False)
     return _compiled["flex"](q, k, v, block_mask=block_mask, enable_gqa=True)
 
