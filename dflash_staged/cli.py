@@ -189,11 +189,12 @@ def without_option(args: list[str], name: str) -> list[str]:
               help="Target: model directory, hub id or tiny:qwen3; or a dflash config TOML (its [target]).")
 @click.option("--prompts", "prompts_path", required=True, type=click.Path(path_type=Path),
               help="JSONL: {\"messages\": [...]} (chat template + generation prompt) or {\"input_ids\": [...]}.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="New tokens per prompt; 2048 is the reference benchmark's (see dflash_staged/evaluate/report.py).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N prompts.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--no-baseline", is_flag=True, help="Skip plain greedy decoding (no tokens/s comparison).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (top-level key tau).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tau_per_prompt_mean, tau_pooled = tau).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,
               help="Write a PNG: accepted-length histogram and per-position acceptance.")
 @click.option("--out", "out_path", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")

@@ -104,6 +104,26 @@ class DataConfig:
         _check(self.min_loss_tokens >= 0, "data.min_loss_tokens must be >= 0")
 
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)  # drafter layer kinds, spelled as in the reference config.json
+
+
+ATTENTION_CHOICES = ("auto", "flex", "sdpa")  # train.attention
+
+
+def check_layer_types(layer_types: list[str], num_layers: int, sliding_window, where: str) -> str | None:
+    """Why ``layer_types`` / ``sliding_window`` are unusable for ``num_layers`` layers (None if fine)."""
+    if len(layer_types) != num_layers:
+        return f"{where}layer_types has {len(layer_types)} entries for {num_layers} layers; give one per layer"
+    bad = sorted(set(layer_types) - set(LAYER_TYPES))
+    if bad:
+        return f"{where}layer_types has {bad}; use {FULL!r} or {SLIDING!r}"
+    if SLIDING in layer_types and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        return (f"{where}sliding_window={sliding_window!r}: {SLIDING} layers need a window of at least 1 "
+                "position (it counts the query's own position)")
+    return None
+
+
 @dataclass
 class DrafterConfig:
     num_hidden_layers: int = 1
@@ -120,6 +140,11 @@ class DrafterConfig:
     # "random", or "target_top": start from the target's top decoder layers (see model/init.py);
     # with target_top, intermediate_size = 0 means the target's MLP width
     init: str = "random"
+    # Per layer "full_attention" or "sliding_attention", as in the reference config.json; empty =
+    # all full. Sliding layers see a causal window of `sliding_window` positions (their own
+    # included): see dflash_staged/model/block_attention.py.
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         _check(self.num_hidden_layers >= 1, f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1")
@@ -132,6 +157,9 @@ class DrafterConfig:
         _check(self.dtype in ("float32", "bfloat16", "float16"),
                f"drafter.dtype={self.dtype!r}: use float32, bfloat16 or float16")
         _check(self.init in ("random", "target_top"), f"drafter.init={self.init!r}: use 'random' or 'target_top'")
+        if self.layer_types:
+            why = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, "drafter.")
+            _check(why is None, why or "")
 
 
 @dataclass
@@ -155,6 +183,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10  # host-synchronising metrics (loss, accuracy) every N steps on CUDA
     loss_chunk: int = 4096  # positions per chunk in the LM-head + loss
+    # Attention in training: "flex" (block-sparse flex_attention, CUDA), "sdpa" (dense masks), or
+    # "auto" = flex on CUDA, sdpa elsewhere. See dflash_staged/model/flex_blocks.py.
+    attention: str = "auto"
     compile: bool = False
     seed: int = 0
 
@@ -182,6 +213,8 @@ class TrainConfig:
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _check(self.log_every >= 1, "train.log_every must be >= 1")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
+        _check(self.attention in ATTENTION_CHOICES,
+               f"train.attention={self.attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
 
 
 @dataclass
@@ -235,7 +268,8 @@ _SECTION_CLASSES = {"target": TargetConfig, "data": DataConfig, "drafter": Draft
 # Settings `train --replay` may override; everything else is fixed by the stored shards.
 REPLAY_OVERRIDABLE = {
     "drafter": {"num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "block_size", "rms_norm_eps", "rope_theta", "dtype", "init"},
+                "head_dim", "block_size", "rms_norm_eps", "rope_theta", "dtype", "init", "layer_types",
+                "sliding_window"},
     "train": {f.name for f in fields(TrainConfig)},
 }
 # Runtime-only settings a command line may override against the manifest's snapshot.

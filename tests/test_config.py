@@ -20,6 +20,10 @@ def test_tiny_config_loads():
     ("[nope]\n", "unknown section [nope]"),
     ("[train]\nbetas = [0.9]\n", "train.betas"),
     ("[data\n", "invalid TOML"),
+    ("[drafter]\nnum_hidden_layers = 2\nlayer_types = ['full_attention']\n", "drafter.layer_types has 1 entries for 2"),
+    ("[drafter]\nnum_hidden_layers = 1\nlayer_types = ['local']\n", "drafter.layer_types has ['local']"),
+    ("[drafter]\nnum_hidden_layers = 1\nlayer_types = ['sliding_attention']\n", "drafter.sliding_window=0"),
+    ("[train]\nattention = 'dense'\n", "train.attention='dense': use one of auto, flex, sdpa"),
 ])
 def test_bad_config(tmp_path, body, needle):
     p = tmp_path / "c.toml"

@@ -128,6 +128,43 @@ def test_drafter_proposer_matches_draft_block(dense):
     assert torch.equal(got, want)
 
 
+class Recording:
+    """A proposer that records every draft it hands out."""
+
+    def __init__(self, inner):
+        self.inner, self.block_size, self.drafts, self.contexts = inner, inner.block_size, [], []
+
+    def reset(self):
+        self.inner.reset()
+
+    def propose(self, context, tokens):
+        self.contexts.append(context.shape[0])
+        self.drafts.append(self.inner.propose(context, tokens).clone())
+        return self.drafts[-1]
+
+
+@pytest.mark.parametrize("layers", [None, ["sliding_attention", "full_attention"]])
+def test_drafter_kv_cache_drafts_as_recomputing_and_stays_lossless(dense, layers):
+    import dataclasses
+    t = dense
+    drafter = random_drafter(t, seed=3)
+    if layers:
+        c = dataclasses.replace(drafter.dcfg, num_hidden_layers=2, layer_types=layers, sliding_window=5)
+        torch.manual_seed(3)
+        m = t.model
+        drafter = DFlashDrafter(c, m.get_input_embeddings().weight, m.get_output_embeddings().weight).eval()
+    for seed in range(2):
+        p = prompt(9 + 5 * seed, seed)
+        ref = greedy_generate(t, p, 30)
+        cached, fresh = Recording(DrafterProposer(drafter)), Recording(DrafterProposer(drafter, kv_cache=False))
+        out_c = speculative_generate(t, cached, p, 30)
+        out_f = speculative_generate(t, fresh, p, 30)
+        assert out_c.tokens == out_f.tokens == ref and out_c.accepted == out_f.accepted
+        assert len(cached.drafts) == len(fresh.drafts) > 3
+        assert all(torch.equal(a, b) for a, b in zip(cached.drafts, fresh.drafts))
+        assert cached.inner._cache.length == cached.contexts[-1]  # the committed positions, no block
+
+
 def test_hybrid_target_is_lossless():
     t = tiny_target("qwen3_5", layer_ids=(1, 5))
     assert not t.supports_crop
@@ -186,6 +223,8 @@ def test_cli_json_plot_out(tmp_path, checkpoint):
     r = json.loads(res.stdout.strip().splitlines()[-1])
     assert r == json.loads((tmp_path / "e.json").read_text())
     assert 1.0 <= r["tau"] <= B and r["prompts"] == 2 and r["drafter"] == str(checkpoint)
+    assert r["tau_pooled"] == r["tau"]
+    assert r["tau_per_prompt_mean"] == pytest.approx(sum(x["tau"] for x in r["per_prompt"]) / 2, abs=1e-4)
     assert r["lossless"] == {"identical_prompts": 2, "prompts": 2}
     assert r["target_layer_ids"] == [1, 3] and len(r["per_position_acceptance"]) == B - 1
     assert sum(r["accept_length_histogram"]) == r["steps"]

@@ -6,9 +6,11 @@ import signal
 import time
 
 import pytest
+import torch
 
 from dflash_staged.train.checkpoint import consumed_jobs, latest_checkpoint, load_checkpoint
 from dflash_staged.manifest import Manifest
+from dflash_staged.model.weights import load_drafter
 from helpers import dflash, plan, run_dflash, sample_while, status
 
 EXTRA = "[data]\ntoken_budget = 512\n"
@@ -149,12 +151,15 @@ def test_replay_order_from_and_overrides(kept, tmp_path):
     live = metrics(kept / "live")
     r = run_dflash("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store",
                    "--out", tmp_path / "o", "--order-from", kept / "live", "--set", "train.lr=1e-3",
-                   "--set", "drafter.block_size=4", "--set", "drafter.init=target_top")
+                   "--set", "drafter.block_size=4", "--set", 'drafter.layer_types=["sliding_attention", "full_attention"]',
+                   "--set", "drafter.sliding_window=5", "--set", "drafter.init=target_top")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "drafter initialised from the target" in r.stderr
     assert [x["jobs"] for x in metrics(tmp_path / "o")] == [x["jobs"] for x in live]
     cfg = json.loads((latest_checkpoint(tmp_path / "o") / "config.json").read_text())
-    assert cfg["block_size"] == 4
+    assert cfg["block_size"] == 4  # and a drafter with a sliding layer trained, saved and loads back
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 5
+    assert load_drafter(latest_checkpoint(tmp_path / "o"), torch.zeros(2048, 128), torch.zeros(2048, 128)).dcfg.use_sliding_window
     bad = run_dflash("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store",
                      "--out", tmp_path / "p", "--set", "target.target_layer_ids=[1]")
     assert bad.returncode == 1 and "cannot be changed" in bad.stderr and "Traceback" not in bad.stderr

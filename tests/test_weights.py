@@ -113,12 +113,55 @@ def test_released_style_config_is_read(tmp_path):
     g = torch.Generator().manual_seed(0)
     m = DFlashDrafter(y, torch.randn(500, 64, generator=g), torch.randn(500, 64, generator=g))
     assert m.rope_scale != 1.0  # yarn scales cos/sin
-    with pytest.raises(DflashError, match="sliding"):
+    hybrid = dict(released, layer_types=["sliding_attention", "full_attention"], use_sliding_window=True,
+                  sliding_window=2048)  # as SpecForge's Qwen3.6-27B drafter (4 sliding + 1 full there)
+    h = DraftModelConfig.from_dict(hybrid)
+    assert (h.layer_types, h.sliding_window, h.use_sliding_window) == (hybrid["layer_types"], 2048, True)
+    assert {k: h.to_dict()[k] for k in ("layer_types", "sliding_window", "use_sliding_window")} == \
+        {k: hybrid[k] for k in ("layer_types", "sliding_window", "use_sliding_window")}
+    with pytest.raises(DflashError, match="use_sliding_window is not true"):
         DraftModelConfig.from_dict(dict(released, layer_types=["sliding_attention", "full_attention"]))
+    with pytest.raises(DflashError, match="sliding_window=None"):
+        DraftModelConfig.from_dict(dict(released, layer_types=["sliding_attention", "full_attention"],
+                                        use_sliding_window=True))
+    with pytest.raises(DflashError, match="layer_types has 1 entries for 2 layers"):
+        DraftModelConfig.from_dict(dict(released, layer_types=["full_attention"]))
     with pytest.raises(DflashError, match="not a DFlash drafter"):
         DraftModelConfig.from_dict(dict(released, architectures=["Qwen3ForCausalLM"]))
     with pytest.raises(DflashError, match="missing field 'vocab_size'"):
         DraftModelConfig.from_dict({k: v for k, v in released.items() if k != "vocab_size"})
+
+
+def test_rope_scaling_reaches_the_installed_transformers():
+    """The RoPE tables come from transformers' own init functions, which read rope_parameters (5.x) or
+    rope_theta + rope_scaling (4.x, the floor): linear scaling must divide the frequencies either way."""
+    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, vocab_size=500, block_size=4, num_target_layers=8, target_layer_ids=[1], mask_token_id=499,
+              rope_theta=1e4)
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(500, 64, generator=g)
+    plain = DFlashDrafter(DraftModelConfig(**kw), embed, embed)
+    linear = DFlashDrafter(DraftModelConfig(**kw, rope_scaling={"rope_type": "linear", "factor": 4.0}), embed, embed)
+    torch.testing.assert_close(linear.inv_freq, plain.inv_freq / 4)
+    assert plain.inv_freq[1].item() == pytest.approx(1e4 ** (-2 / 16))
+
+
+def test_sliding_window_layers_round_trip(tmp_path, tiny_head):
+    import dataclasses
+    m = tiny_drafter(tiny_head, layers=3)
+    c = dataclasses.replace(m.dcfg, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                            sliding_window=6)
+    m = DFlashDrafter(c, *tiny_head)
+    save_drafter(m, tmp_path / "ckpt")
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["layer_types"] == c.layer_types and cfg["sliding_window"] == 6 and cfg["use_sliding_window"] is True
+    m2 = load_drafter(tmp_path / "ckpt", *tiny_head)
+    assert m2.dcfg.layer_types == c.layer_types and [layer.self_attn.window for layer in m2.layers] == [6, 6, 0]
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(tmp_path / "ckpt")  # what the reference class is built from
+    assert hf.layer_types == c.layer_types and hf.sliding_window == 6
+    # the full-attention default writes what it always did
+    assert DraftModelConfig(**{**c.__dict__, "layer_types": [], "sliding_window": None}).to_dict()["sliding_window"] is None
 
 
 def test_save_replaces_atomically_and_cleans_up(tmp_path, tiny_head, monkeypatch):

@@ -4,6 +4,22 @@ target it names (tapped layers from the drafter's ``config.json``) and the promp
 (:mod:`dflash_staged.evaluate.speculative`, whose docstring is the contract) and with plain
 greedy decoding, and reports tau, per-position rates, the accepted-length histogram, tokens/s
 and whether the outputs are identical.
+
+Two taus, each named (both count the bonus token, as the reference does):
+
+* ``tau_per_prompt_mean``: the mean over prompts of each prompt's mean committed tokens per
+  verify step, the "Average Acceptance length" the reference ``dflash.benchmark`` prints;
+* ``tau_pooled`` (also ``tau``): all committed tokens over all verify steps, which weighs long
+  generations more.
+
+Comparing with published figures: the reference benchmark (z-lab ``dflash.benchmark``)
+decodes greedily with ``--max-new-tokens 2048`` (our default), the target's chat template and
+benchmark prompts (gsm8k, math500, humaneval, mbpp, mt-bench), on GPU in bf16, and prints the
+per-prompt mean. A figure from it compares with ``tau_per_prompt_mean`` here only for the same
+target, drafter, prompts and length: tau depends on all of them, on the prompts most, and a
+shorter ``--max-new-tokens`` measures only the start of each answer. Here the last block is
+shortened so no more than ``--max-new-tokens`` are committed and a stop token ends the count,
+where the reference counts the whole last block: at most one step per prompt differs.
 """
 
 
@@ -33,44 +49,30 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def target_config_from(spec: str):
-    """``--target``: a dflash config TOML (its ``[target]``) or a model directory / hub id / tiny:*."""
-    from dflash_staged.config import TargetConfig, load_config
-    if spec.endswith(".toml"):
-        return load_config(spec).target
-    return TargetConfig(model=spec)
-
-
-def _stop_ids(target, tokenizer) -> list[int]:
-    ids: set[int] = set()
-    gen = getattr(target.model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), getattr(target.model.config, "eos_token_id", None),
-                getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
-        if src is not None:
-            ids |= {int(x) for x in (src if isinstance(src, (list, tuple)) else [src])}
-    return sorted(ids)
-
-
 def _say(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"eval: {msg}", file=sys.stderr, flush=True)
 
 
-def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int = 128, *, device: str | None = None,
-             limit: int | None = None, baseline: bool = True, quiet: bool = False,
+DEFAULT_MAX_NEW_TOKENS = 2048  # the reference benchmark's default
+
+
+def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+             device: str | None = None, limit: int | None = None, baseline: bool = True, quiet: bool = False,
              chat_template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> dict:
     """Speculative decoding of every prompt (and plain greedy, unless ``baseline=False``): the report.
 
     Prompts are rendered with the chat options of :func:`~dflash_staged.evaluate.prompts.chat_options`
     (the checkpoint's record, updated by `chat_template_kwargs`, template replaced by `chat_template`).
     """
-    from dflash_staged.model.target import load_target, load_tokenizer
+    from dflash_staged.config import target_from_spec
+    from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids
     from dflash_staged.model.dims import target_dims
     from dflash_staged.model.weights import load_drafter, read_drafter_config
 
     ckpt = resolve_checkpoint(drafter_path)
     dcfg = read_drafter_config(ckpt)
-    tcfg = target_config_from(target_spec)
+    tcfg = target_from_spec(target_spec)
     num_layers, hidden, vocab = target_dims(tcfg)
     if dcfg.num_target_layers != num_layers or max(dcfg.target_layer_ids) >= num_layers:
         raise DflashError(f"{ckpt}/config.json: the drafter taps layers {dcfg.target_layer_ids} of a "
@@ -97,19 +99,22 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
     head = target.model.get_output_embeddings().weight
     drafter = load_drafter(ckpt, embed, head, device=device, dtype=target.dtype)
     _say(f"loaded target {tcfg.model} and drafter {ckpt} in {time.perf_counter() - t0:.1f} s", quiet)
-    stop = _stop_ids(target, tok_cache[0] if tok_cache else None)
+    stop = stop_token_ids(target.model, tok_cache[0] if tok_cache else None)
     proposer = DrafterProposer(drafter)
     greedy_generate(target, prompts[0][1], 2, stop)  # warm-up: first-call overheads stay out of the timings
     accepted_all: list[int] = []
     spec_tok = spec_s = greedy_tok = greedy_s = 0.0
     identical = 0
     per_prompt = []
+    prompt_taus: list[float] = []
     for i, (line, ids) in enumerate(prompts):
         t = time.perf_counter()
         out = speculative_generate(target, proposer, ids, max_new_tokens, stop)
         dt = time.perf_counter() - t
         spec_tok, spec_s = spec_tok + len(out.tokens), spec_s + dt
         accepted_all += out.accepted
+        if out.accepted:  # a prompt that stopped at its first token has no verify step
+            prompt_taus.append(sum(out.accepted) / len(out.accepted))
         rec = {"line": line, "prompt_tokens": len(ids), "new_tokens": len(out.tokens),
                "tau": round(sum(out.accepted) / max(1, len(out.accepted)), 4), "spec_s": round(dt, 3)}
         if baseline:
@@ -123,6 +128,7 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
         _say(f"prompt {i + 1}/{len(prompts)} (line {line}): {len(out.tokens)} tokens, tau {rec['tau']:.2f}"
              + (f", same as greedy: {rec['identical']}" if baseline else ""), quiet)
     report = {**acceptance_stats(accepted_all, dcfg.block_size), "block_size": dcfg.block_size,
+              "tau_per_prompt_mean": sum(prompt_taus) / len(prompt_taus) if prompt_taus else 0.0,
               "prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "speculative": {"tokens": int(spec_tok), "seconds": round(spec_s, 3),
                               "tokens_per_s": round(spec_tok / max(spec_s, 1e-9), 2)}}
@@ -140,8 +146,9 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
 
 def format_report(r: dict) -> str:
     """A few human-readable lines."""
-    lines = [f"tau {r['tau']:.3f} (block {r['block_size']}, {r['steps']} verify steps, {r['prompts']} prompts, "
-             f"max {r['max_new_tokens']} new tokens)",
+    lines = [f"tau {r['tau_per_prompt_mean']:.3f} (mean over prompts of each prompt's mean, as the reference "
+             f"reports it); pooled over all steps {r['tau_pooled']:.3f} (block {r['block_size']}, {r['steps']} verify "
+             f"steps, {r['prompts']} prompts, max {r['max_new_tokens']} new tokens)",
              "per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
              "accepted-length histogram (1..B): " + " ".join(str(x) for x in r["accept_length_histogram"]),
              f"speculative: {r['speculative']['tokens']} tokens in {r['speculative']['seconds']:.1f} s "

@@ -22,7 +22,16 @@ Contract (as the reference z-lab ``dflash_generate``, greedy; the tests hold it 
   steps that committed draft ``k``, so ``tau = 1 + sum(rates)``.
 * A *proposer* is anything with ``block_size`` (int), ``reset()`` (called once per prompt) and
   ``propose(context [S, K, H], tokens [S+1]) -> LongTensor [B-1]``; :class:`DrafterProposer`
-  wraps a :class:`~dflash_staged.drafter.DFlashDrafter`; tests inject oracles.
+  wraps a :class:`~dflash_staged.model.drafter.DFlashDrafter`; tests inject oracles.
+* **Drafter cache.** :class:`DrafterProposer` keeps the drafter's context keys/values in a
+  :class:`~dflash_staged.model.drafter.DraftCache` of the committed positions: each step
+  computes them only for the positions verified since the last one, and a cache longer than
+  the context it is handed is cropped to it, as the reference crops its draft
+  ``DynamicCache`` to the committed length. The drafts are those of recomputing the whole
+  context every step (``kv_cache=False``).
+* **Reporting** (:func:`acceptance_stats`): ``tau`` pooled over all verify steps; the
+  reference ``dflash`` benchmark reports the mean over prompts of each prompt's mean, which
+  :func:`dflash_staged.evaluate.report.run_eval` reports beside it.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ import copy
 from typing import NamedTuple, Protocol
 
 import torch
+
+from dflash_staged.model.drafter import DraftCache
 
 
 class Proposer(Protocol):
@@ -42,28 +53,36 @@ class Proposer(Protocol):
 
 
 class DrafterProposer:
-    """Greedy drafts of a DFlash drafter; the fused context is computed once per position."""
+    """Greedy drafts of a DFlash drafter. The context is fused once per position; with
+    ``kv_cache`` (default) its keys/values are cached too, else recomputed every step."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, kv_cache: bool = True):
         self.drafter = drafter.eval()
         self.block_size = drafter.block_size
         self.device = drafter.fc.weight.device
-        self._fused: torch.Tensor | None = None
+        self.kv_cache = kv_cache
+        self.reset()
 
     def reset(self) -> None:
-        self._fused = None
+        self._fused: torch.Tensor | None = None
+        self._cache = DraftCache()
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         S = context.shape[0]
+        anchor = tokens[S].to(self.device)
+        if self.kv_cache:
+            if self._cache.length > S:
+                self._cache.crop(S)  # only committed positions stay
+            new = context[self._cache.length:S].to(self.device)
+            return self.drafter.draft_block(new, anchor, anchor_pos=S, cache=self._cache).argmax(-1)
         n = 0 if self._fused is None else self._fused.shape[0]
-        if n > S:  # a new sequence without reset(): start over
-            self._fused, n = None, 0
+        if n > S:
+            self._fused, n = self._fused[:S], S
         if S > n:
             new = self.drafter.fuse_context(context[n:S].to(self.device))
             self._fused = new if self._fused is None else torch.cat([self._fused, new])
-        logits = self.drafter.draft_block(self._fused, tokens[S].to(self.device), anchor_pos=S, fused=True)
-        return logits.argmax(-1)
+        return self.drafter.draft_block(self._fused, anchor, anchor_pos=S, fused=True).argmax(-1)
 
 
 class SpecOutput(NamedTuple):
@@ -149,11 +168,13 @@ def greedy_generate(target, input_ids, max_new_tokens: int, stop_token_ids=()) -
 
 
 def acceptance_stats(accepted: list[int], block_size: int) -> dict:
-    """tau, per-position acceptance rates (draft 1..B-1) and the histogram of committed lengths 1..B."""
+    """tau pooled over the steps (``tau`` and ``tau_pooled``), per-position acceptance rates (draft
+    1..B-1) and the histogram of committed lengths 1..B."""
     n = len(accepted)
     hist = [0] * block_size
     for k in accepted:
         hist[k - 1] += 1
     rates = [sum(1 for k in accepted if k > j) / n if n else 0.0 for j in range(1, block_size)]
-    return {"tau": sum(accepted) / n if n else 0.0, "steps": n, "per_position_acceptance": rates,
+    tau = sum(accepted) / n if n else 0.0
+    return {"tau": tau, "tau_pooled": tau, "steps": n, "per_position_acceptance": rates,
             "accept_length_histogram": hist}

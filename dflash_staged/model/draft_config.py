@@ -4,9 +4,12 @@
 SGLang, vLLM and the MLX port read: the Qwen3 fields (``model_type: qwen3``),
 ``architectures: ["DFlashDraftModel"]``, ``block_size`` and ``num_target_layers`` at
 top level, ``dflash_config: {block_size, mask_token_id, target_layer_ids}``,
-``layer_types`` (all ``full_attention``), ``dtype`` (the dtype of the stored
-weights), and RoPE in both spellings (``rope_theta``/``rope_scaling`` for
-transformers 4.x and MLX, ``rope_parameters`` for transformers 5 and vLLM).
+``layer_types`` (one of ``full_attention`` / ``sliding_attention`` per layer) with
+``sliding_window`` and ``use_sliding_window`` (true when a layer slides; transformers
+drops ``sliding_window`` otherwise), ``dtype`` (the dtype of the stored weights), and
+RoPE in both spellings (``rope_theta``/``rope_scaling`` for transformers 4.x and MLX,
+``rope_parameters`` for transformers 5 and vLLM). What a sliding layer attends to is
+written in :mod:`dflash_staged.model.block_attention`.
 :meth:`DraftModelConfig.from_dict` reads ours and the released drafters' files.
 """
 
@@ -16,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_staged.config import FULL, SLIDING, check_layer_types
 from dflash_staged.errors import DflashError
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -42,6 +46,8 @@ class DraftModelConfig:
     max_position_embeddings: int = 32768
     hidden_act: str = "silu"
     dtype: str = "bfloat16"
+    layer_types: list[str] = field(default_factory=list)  # empty = every layer full_attention
+    sliding_window: int | None = None  # positions a sliding_attention layer sees, its own included
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on round trip
 
     def __post_init__(self) -> None:
@@ -64,6 +70,15 @@ class DraftModelConfig:
         need(self.hidden_act == "silu", f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
         need(self.dtype in ("float32", "bfloat16", "float16"),
              f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        self.layer_types = list(self.layer_types) or [FULL] * self.num_hidden_layers
+        why = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, "")
+        need(why is None, why or "")
+        if SLIDING not in self.layer_types:
+            self.sliding_window = None
+
+    @property
+    def use_sliding_window(self) -> bool:
+        return SLIDING in self.layer_types
 
     @classmethod
     def from_config(cls, cfg, target_hidden: int, target_vocab: int, num_target_layers: int,
@@ -79,7 +94,8 @@ class DraftModelConfig:
                    num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim or target_hidden // heads,
                    vocab_size=target_vocab, block_size=d.block_size, num_target_layers=num_target_layers,
                    target_layer_ids=list(layer_ids), mask_token_id=mask_token_id, rms_norm_eps=d.rms_norm_eps,
-                   rope_theta=d.rope_theta, max_position_embeddings=d.max_position_embeddings, dtype=d.dtype)
+                   rope_theta=d.rope_theta, max_position_embeddings=d.max_position_embeddings, dtype=d.dtype,
+                   layer_types=list(d.layer_types), sliding_window=d.sliding_window or None)
 
     @property
     def rope_parameters(self) -> dict[str, Any]:
@@ -111,7 +127,7 @@ class DraftModelConfig:
             "hidden_size": self.hidden_size,
             "initializer_range": 0.02,
             "intermediate_size": self.intermediate_size,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
             "max_position_embeddings": self.max_position_embeddings,
             "max_window_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
@@ -122,10 +138,10 @@ class DraftModelConfig:
             "rope_parameters": self.rope_parameters,
             "rope_scaling": self.rope_scaling,
             "rope_theta": self.rope_theta,
-            "sliding_window": None,
+            "sliding_window": self.sliding_window,
             "tie_word_embeddings": False,
             "use_cache": True,
-            "use_sliding_window": False,
+            "use_sliding_window": self.use_sliding_window,
             "vocab_size": self.vocab_size,
         })
         return d
@@ -141,10 +157,14 @@ class DraftModelConfig:
             raise DflashError(f"{source}: architectures={arch} is not a DFlash drafter; expected "
                               f"[\"{ARCHITECTURE}\"]")
         dfl = d.get("dflash_config") or {}
-        types = d.get("layer_types") or []
-        if any(t != "full_attention" for t in types) or d.get("use_sliding_window"):
-            raise DflashError(f"{source}: sliding-window drafter layers (layer_types={types}) are not "
-                              "supported; use a drafter whose layers are all full_attention")
+        types = list(d.get("layer_types") or [])
+        window = d.get("sliding_window")
+        if SLIDING in types and not d.get("use_sliding_window"):
+            raise DflashError(f"{source}: layer_types has {SLIDING} layers but use_sliding_window is not true, so "
+                              "transformers would drop sliding_window; set use_sliding_window: true and sliding_window")
+        if types and (why := check_layer_types(types, int(d.get("num_hidden_layers", len(types))), window,
+                                               f"{source}: ")):
+            raise DflashError(why)
         if d.get("attention_bias"):
             raise DflashError(f"{source}: attention_bias=true is not supported")
         rope_theta = d.get("rope_theta")
@@ -173,6 +193,7 @@ class DraftModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
                 hidden_act=d.get("hidden_act", "silu"),
                 dtype=str(d.get("dtype") or d.get("torch_dtype") or "bfloat16"),
+                layer_types=types, sliding_window=int(window) if SLIDING in types else None,
                 extra={k: v for k, v in d.items() if k not in known and k != "torch_dtype"})
         except KeyError as e:
             raise DflashError(f"{source}: missing field {e.args[0]!r}; this is not a complete DFlash "
@@ -187,14 +208,21 @@ class DraftModelConfig:
         return cls.from_dict(d, source)
 
     def hf_config(self):
-        """A transformers ``Qwen3Config`` with these fields (used for the RoPE tables)."""
+        """A transformers ``Qwen3Config`` with these fields (used for the RoPE tables).
+
+        transformers 5 reads RoPE from ``rope_parameters``; 4.x (4.57, the floor) from
+        ``rope_theta`` and ``rope_scaling`` with a ``rope_type`` key. Both are handled."""
         from transformers import Qwen3Config
-        return Qwen3Config(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                           num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                           vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-                           max_position_embeddings=self.max_position_embeddings,
-                           rope_parameters=self.rope_parameters)
+        fields = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                      num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                      num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                      vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+                      max_position_embeddings=self.max_position_embeddings)
+        if hasattr(Qwen3Config(), "rope_parameters"):  # transformers >= 5
+            return Qwen3Config(**fields, rope_parameters=self.rope_parameters)
+        scaling = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
+        return Qwen3Config(**fields, rope_theta=float(self.rope_theta),
+                           rope_scaling=None if scaling["rope_type"] == "default" else scaling)
 
 
 _TEMPLATE = dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,

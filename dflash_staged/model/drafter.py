@@ -15,14 +15,20 @@ Contract (the trainer, the evaluator and :mod:`dflash_staged.weights` rely on it
 * **Attention (KV injection).** In every layer the keys/values are the layer's own
   ``k_proj``/``v_proj`` of the fused context followed by those of the block;
   ``k_norm`` applies to both; queries come from the block only; RoPE uses
-  absolute positions (context ``0..S-1``, block ``a..a+B-1``). A block sees the
-  context strictly before its anchor (``0..a-1``) and its whole block
-  (bidirectional); blocks never see each other. The context never enters the
-  residual stream.
-* **Two code paths, one function.** :meth:`DFlashDrafter.forward_train` runs
-  many anchors of many packed sequences in one pass with a block mask;
+  absolute positions (context ``0..S-1``, block ``a..a+B-1``). Which keys a query
+  sees is the rule in :mod:`dflash_staged.model.block_attention`: in a
+  ``full_attention`` layer the context strictly before the anchor (``0..a-1``) and
+  its whole block (bidirectional); in a ``sliding_attention`` layer (``layer_types``,
+  ``sliding_window``) a causal window; blocks never see each other. The context
+  never enters the residual stream.
+* **Code paths, one function.** :meth:`DFlashDrafter.forward_train` runs many
+  anchors of many packed sequences in one pass, with block-sparse ``flex_attention``
+  (:mod:`~dflash_staged.model.flex_blocks`, CUDA) or SDPA with dense masks
+  (:class:`~dflash_staged.model.block_attention.SdpaBlocks`);
   :meth:`DFlashDrafter.draft_block` runs one block against a context cut at its
-  anchor, as the reference does at inference. They agree to fp32 rounding.
+  anchor, as the reference does at inference, from a :class:`DraftCache` of the
+  context's keys/values that decoding extends and crops as the reference's draft
+  ``DynamicCache``. They agree to fp32 rounding.
 * **Checkpoint.** :class:`DraftModelConfig` is the reference ``config.json``
   (z-lab ``DFlashDraftModel``, in :mod:`dflash_staged.draft_config`); parameter
   names are those of the reference (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ``hidden_norm.weight``,
@@ -34,15 +40,15 @@ Contract (the trainer, the evaluator and :mod:`dflash_staged.weights` rely on it
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_staged.model.draft_config import ARCHITECTURE, DraftModelConfig  # noqa: F401 (re-export)
+from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visible, context_visible, sdpa
+from dflash_staged.model.draft_config import ARCHITECTURE, SLIDING, DraftModelConfig  # noqa: F401 (re-export)
 from dflash_staged.errors import DflashError
-
-# Elements of one attention mask chunk in forward_train (bounds memory on CPU and GPU).
-ATTN_CHUNK_ELEMS = 1 << 25
 
 
 class RMSNorm(nn.Module):
@@ -80,9 +86,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, c: DraftModelConfig):
+    def __init__(self, c: DraftModelConfig, layer: int):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.window = c.sliding_window if c.layer_types[layer] == SLIDING else 0  # 0 = full attention
         self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
@@ -100,9 +107,9 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: DraftModelConfig):
+    def __init__(self, c: DraftModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, layer)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -113,9 +120,24 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _gqa(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[..., nkv, S, hd]`` -> ``[..., nkv*groups, S, hd]`` (kv head i serves q heads i*g..)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+class DraftCache:
+    """Keys/values of the fused context, per layer, for positions ``0..length-1``: what the
+    reference keeps in the draft ``DynamicCache`` once it is cropped to the committed length.
+    The context's keys/values depend only on the context (it never enters the residual
+    stream), so a cached position never changes; the block's are never cached."""
+
+    def __init__(self):
+        self.k: list[torch.Tensor] = []  # per layer [S, nkv, hd]
+        self.v: list[torch.Tensor] = []
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    def crop(self, n: int) -> None:
+        """Keep positions ``0..n-1``."""
+        self.k = [k[:n] for k in self.k]
+        self.v = [v[:n] for v in self.v]
 
 
 class DFlashDrafter(nn.Module):
@@ -131,7 +153,7 @@ class DFlashDrafter(nn.Module):
                                   f"[>= {V}, {H}] (vocab_size x hidden_size): wrong target for this drafter?")
         self.block_size = c.block_size
         self.mask_token_id = c.mask_token_id
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.fc = nn.Linear(len(c.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
@@ -187,119 +209,102 @@ class DFlashDrafter(nn.Module):
         return F.linear(h.to(self.lm_head_weight.dtype), self.lm_head_weight)
 
     # -- inference: one block, context cut at the anchor ---------------------------------------
-    def draft_block(self, context_hidden: torch.Tensor, anchor_token, anchor_pos: int | None = None,
-                    fused: bool = False) -> torch.Tensor:
+    def extend_cache(self, cache: DraftCache, fused: torch.Tensor) -> DraftCache:
+        """Append the keys/values of fused context ``[n, H]`` at positions ``cache.length ..``."""
+        S = cache.length
+        cos, sin = self._rope(torch.arange(S, S + fused.shape[0], device=fused.device), fused.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(fused, cos, sin)
+            if i < len(cache.k):
+                cache.k[i], cache.v[i] = torch.cat([cache.k[i], k]), torch.cat([cache.v[i], v])
+            else:
+                cache.k.append(k)
+                cache.v.append(v)
+        return cache
+
+    def draft_block(self, context_hidden: torch.Tensor | None, anchor_token, anchor_pos: int | None = None,
+                    fused: bool = False, cache: DraftCache | None = None) -> torch.Tensor:
         """Logits ``[B-1, V]`` for block offsets 1..B-1 of one anchor.
 
-        ``context_hidden`` holds the target taps ``[S, K, H]`` (or, with ``fused=True``,
-        the fused context ``[S, H]``) of positions ``0..S-1``, all strictly before the
-        anchor; ``anchor_pos`` defaults to ``S``. ``anchor_token`` is the token at the
-        anchor (already committed).
+        The context is ``cache`` (positions ``0..cache.length-1``) followed by
+        ``context_hidden``: the target taps ``[S, K, H]`` (or, with ``fused=True``, the fused
+        context ``[S, H]``), which are appended to ``cache`` when one is given. All of it lies
+        strictly before the anchor; ``anchor_pos`` defaults to its end. ``anchor_token`` is
+        the token at the anchor (already committed).
         """
-        ctx = context_hidden if fused else self.fuse_context(context_hidden)
-        S = ctx.shape[0]
+        cache = cache if cache is not None else DraftCache()
+        if context_hidden is not None and context_hidden.shape[0]:
+            self.extend_cache(cache, context_hidden if fused else self.fuse_context(context_hidden))
+        S = cache.length
         a = S if anchor_pos is None else int(anchor_pos)
-        dev = ctx.device
+        dev = self.fc.weight.device
+        B = self.block_size
         tok = torch.as_tensor(anchor_token, dtype=torch.long, device=dev).reshape(1)
         x = self._block_input(tok)[0]  # [B, H]
-        cos_c, sin_c = self._rope(torch.arange(S, device=dev), x.dtype)
-        cos_b, sin_b = self._rope(torch.arange(a, a + self.block_size, device=dev), x.dtype)
-        groups = self.dcfg.num_attention_heads // self.dcfg.num_key_value_heads
+        cos_b, sin_b = self._rope(torch.arange(a, a + B, device=dev), x.dtype)
+        q_off = torch.arange(B, device=dev)[:, None]
+        layers = iter(range(len(self.layers)))
 
         def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
-            k_c, v_c = attn.kv(ctx, cos_c, sin_c)
+            i = next(layers)
+            lo = max(0, a - attn.window + 1) if attn.window else 0
+            k_c, v_c = cache.k[i][lo:S], cache.v[i][lo:S]
             k_b, v_b = attn.kv(h, cos_b, sin_b)
+            mask = None
+            if attn.window or a < S:
+                key_pos = torch.arange(lo, S, device=dev)[None]
+                mask = torch.cat([context_visible(key_pos, a, q_off, attn.window),
+                                  block_visible(torch.arange(B, device=dev)[None], q_off, attn.window)], 1)
             q = attn.q(h, cos_b, sin_b).transpose(0, 1)  # [nh, B, hd]
-            k = _gqa(torch.cat([k_c, k_b]).transpose(0, 1), groups)
-            v = _gqa(torch.cat([v_c, v_b]).transpose(0, 1), groups)
-            q, k, v = (t.to(v.dtype) for t in (q, k, v))
-            return F.scaled_dot_product_attention(q, k, v).transpose(0, 1).flatten(-2)
+            k = torch.cat([k_c, k_b]).transpose(0, 1)
+            v = torch.cat([v_c, v_b]).transpose(0, 1)
+            return sdpa(q, k, v, mask).transpose(0, 1).flatten(-2)
 
+        if not cache.k:  # no context at all: empty per-layer caches
+            cache.k = [x.new_zeros(0, self.dcfg.num_key_value_heads, self.dcfg.head_dim) for _ in self.layers]
+            cache.v = [t.clone() for t in cache.k]
         for layer in self.layers:
             x = layer(x, attend)
         return self.logits(self.norm(x)[1:])
 
     # -- training: many anchors of many packed sequences in one pass ---------------------------
-    def _anchor_chunk(self, N: int, M: int, Lmax: int, dev: torch.device) -> int:
-        """Anchors per sequence in one attention call: bounds the mask (CUDA kernels do not
-        materialise scores) or the scores (CPU math path) to ``ATTN_CHUNK_ELEMS``, and keeps
-        the wasted block-vs-other-blocks part no larger than the context part."""
-        B = self.block_size
-        per_key = N * (1 if dev.type == "cuda" else self.dcfg.num_attention_heads)
-        c = max(1, min(M, max(Lmax, 16 * B) // B))
-        while c > 1 and per_key * c * B * (Lmax + c * B) > ATTN_CHUNK_ELEMS:
-            c = (c + 1) // 2
-        return c
-
     def forward_train(self, hidden: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                      anchors: torch.Tensor) -> torch.Tensor:
+                      anchors: torch.Tensor, attention: str | Callable = "sdpa") -> torch.Tensor:
         """Final-normed block states ``[A, B, H]`` for every anchor (LM head not applied).
 
         ``hidden [T, K, H]`` and ``input_ids [T]`` are packed sequences delimited by
         ``cu_seqlens [N+1]``; ``anchors [A]`` are packed token indices, in any order.
         Row ``i`` of the result belongs to ``anchors[i]``. A block may run past the end
-        of its sequence (its positions just have no label). One host sync (sizes).
+        of its sequence (its positions just have no label). ``attention``: ``"sdpa"``,
+        ``"flex"`` (see :func:`~dflash_staged.model.flex_blocks.resolve_attention`), or a
+        callable ``(Packing, windows) -> blocks`` (benchmarks). Two host syncs (sizes, chunk bounds).
         """
         dev = hidden.device
         A, B, T = anchors.shape[0], self.block_size, hidden.shape[0]
-        cu = cu_seqlens.to(device=dev, dtype=torch.long)
-        anchors = anchors.to(device=dev, dtype=torch.long)
         ctx = self.fuse_context(hidden)  # [T, H]
         if A == 0:
             return ctx.new_zeros(0, B, ctx.shape[-1])
-        # Layout: sequences padded to Lmax (context) and to M anchors each (queries).
-        N = cu.numel() - 1
-        lengths = cu[1:] - cu[:-1]
-        seq_of_tok = torch.repeat_interleave(torch.arange(N, device=dev), lengths, output_size=T)
-        pos_of_tok = torch.arange(T, device=dev) - cu[seq_of_tok]
-        srt, perm = anchors.sort()
-        a_seq = seq_of_tok[srt]
-        a_pos = pos_of_tok[srt]
-        counts = torch.bincount(a_seq, minlength=N)
-        first = torch.cumsum(counts, 0) - counts
-        a_slot = torch.arange(A, device=dev) - first[a_seq]
-        Lmax, M = (int(v) for v in torch.stack([lengths.max(), counts.max()]).tolist())
-        ctx_idx = (cu[:-1, None] + torch.arange(Lmax, device=dev)).clamp(max=T - 1)  # [N, Lmax]
-        key_pos = torch.arange(Lmax, device=dev)
-        anchor_pad = torch.zeros(N, M, dtype=torch.long, device=dev)  # padding anchors see no context
-        anchor_pad[a_seq, a_slot] = a_pos
-
-        x = self._block_input(input_ids.to(dev)[srt])  # [A, B, H]
-        cos_c, sin_c = self._rope(pos_of_tok, x.dtype)
-        cos_b, sin_b = self._rope(a_pos[:, None] + torch.arange(B, device=dev), x.dtype)
-        nh, nkv, hd = self.dcfg.num_attention_heads, self.dcfg.num_key_value_heads, self.dcfg.head_dim
-        groups = nh // nkv
-        chunk = self._anchor_chunk(N, M, Lmax, dev)
-        blk_same = torch.eye(chunk, dtype=torch.bool, device=dev).repeat_interleave(B, 0).repeat_interleave(B, 1)
+        pk = Packing.of(cu_seqlens.to(dev), anchors.to(device=dev, dtype=torch.long), B, T)
+        x = self._block_input(input_ids.to(dev)[pk.srt])  # [A, B, H]
+        cos_c, sin_c = self._rope(pk.pos_of_tok, x.dtype)
+        cos_b, sin_b = self._rope(pk.a_pos[:, None] + torch.arange(B, device=dev), x.dtype)
+        windows = {layer.self_attn.window for layer in self.layers}
+        if callable(attention):
+            blocks = attention(pk, windows)
+        elif attention == "flex":
+            from dflash_staged.model.flex_blocks import FlexBlocks
+            blocks = FlexBlocks(pk, windows)
+        elif attention == "sdpa":
+            blocks = SdpaBlocks(pk, self.dcfg.num_attention_heads, windows)
+        else:
+            raise DflashError(f"attention={attention!r}: use 'sdpa' or 'flex'")
 
         def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
             k_c, v_c = attn.kv(ctx, cos_c, sin_c)  # [T, nkv, hd]
-            k_c, v_c = k_c[ctx_idx], v_c[ctx_idx]  # [N, Lmax, nkv, hd]
             k_b, v_b = attn.kv(h, cos_b, sin_b)  # [A, B, nkv, hd]
-            q = attn.q(h, cos_b, sin_b)  # [A, B, nh, hd]
-
-            def pad(t: torch.Tensor) -> torch.Tensor:
-                out = t.new_zeros(N, M, *t.shape[1:])
-                out[a_seq, a_slot] = t
-                return out
-
-            q, k_b, v_b = pad(q), pad(k_b), pad(v_b)  # [N, M, B, heads, hd]
-            outs = []
-            for m0 in range(0, M, chunk):
-                c = min(chunk, M - m0)
-                qc = q[:, m0:m0 + c].flatten(1, 2).transpose(1, 2)  # [N, nh, cB, hd]
-                kc = torch.cat([k_c, k_b[:, m0:m0 + c].flatten(1, 2)], 1).transpose(1, 2)
-                vc = torch.cat([v_c, v_b[:, m0:m0 + c].flatten(1, 2)], 1).transpose(1, 2)
-                see_ctx = key_pos[None, None, :] < anchor_pad[:, m0:m0 + c, None]  # [N, c, Lmax]
-                mask = torch.cat([see_ctx.repeat_interleave(B, 1),
-                                  blk_same[:c * B, :c * B].expand(N, -1, -1)], 2)[:, None]
-                qc, kc, vc = (t.to(vc.dtype) for t in (qc, _gqa(kc, groups), _gqa(vc, groups)))
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)
-                outs.append(o.transpose(1, 2).unflatten(1, (c, B)))  # [N, c, B, nh, hd]
-            o = torch.cat(outs, 1)[a_seq, a_slot]  # [A, B, nh, hd]
-            return o.flatten(-2)
+            return blocks(attn.q(h, cos_b, sin_b), k_c, v_c, k_b, v_b, attn.window).flatten(-2)
 
         for layer in self.layers:
             x = layer(x, attend)
         out = self.norm(x)
-        return out[torch.argsort(perm)]
+        return out[torch.argsort(pk.perm)]

@@ -1,8 +1,9 @@
 """``dflash train``: the training loop, top to bottom.
 
 Each step: gather this step's shards (waiting while fewer than ``train.min_ready`` are ready,
-never while holding consumed, unreleased shards), forward/backward every microbatch, sum the
-gradients over ranks, take the optimizer step, record the shards as consumed, log, and every
+never while holding consumed, unreleased shards), forward/backward every microbatch (each
+backpropagates its weighted loss sum), sum the gradients over ranks and divide them by the
+step's total loss weight over all ranks, take the optimizer step, record the shards as consumed, log, and every
 ``train.checkpoint_every`` steps checkpoint and release. The consumption, release and resume
 rules are :mod:`dflash_staged.train.ledger`'s; the components come from
 :func:`dflash_staged.train.trainer.build_trainer`.
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from dflash_staged.store import ShardError
-from dflash_staged.train.objective import acceptance_metrics, per_offset_accuracy
+from dflash_staged.train.objective import per_offset_accuracy, training_tau
 from dflash_staged.train.trainer import Trainer
 
 WAIT_POLL_S = 0.25
@@ -101,15 +102,27 @@ def gather_step(t: Trainer, stop) -> StepData | None:
     return data
 
 
+def forward_backward(model, mbs: list[dict], device, noise: float) -> dict:
+    """Backpropagate every microbatch's weighted loss sum (gradients accumulate); the summed stats."""
+    stats = model.zero_stats()
+    for mb in mbs:
+        loss_sum, st = model.loss({k: v.to(device, non_blocking=True) for k, v in mb.items()}, noise)
+        loss_sum.backward()
+        model.add_stats(stats, st)
+    return stats
+
+
 def metrics_line(t: Trainer, jobs: list, stats: dict, lr: float, data: StepData | None, step_s: float) -> dict:
     """This step's metrics line (loss and accuracies synchronise the host: every step on CPU,
     every ``train.log_every`` steps on CUDA)."""
     loss = acc = tau = None
     if t.device.type != "cuda" or t.step % t.cfg.train.log_every == 0:
-        vals = [stats["correct"], stats["total"], stats["loss_sum"].reshape(1), stats["weight_sum"].reshape(1)]
+        vals = [stats["correct"], stats["total"]] + [stats[k].reshape(1) for k in
+                                                     ("loss_sum", "weight_sum", "accepted", "blocks")]
         t.dist.all_reduce_(vals)
         loss = float(stats["loss_sum"] / stats["weight_sum"].clamp_min(1e-12))
-        acc, tau = acceptance_metrics(per_offset_accuracy(stats["correct"], stats["total"]))
+        acc = per_offset_accuracy(stats["correct"], stats["total"])
+        tau = training_tau(stats["accepted"], stats["blocks"])
     choices = t.dist.sum_int(data.bucket_choices if data else 0)
     return {"step": t.step, "loss": loss, "lr": lr, "acc": acc, "tau": tau, "tokens": sum(j[2] for j in jobs),
             "jobs": [j[0] for j in jobs], "ranks": [j[1] for j in jobs], "buckets": [j[3] for j in jobs],
@@ -135,17 +148,11 @@ def train_loop(t: Trainer) -> int:
 
         # ---- forward / backward over every microbatch of every shard ------------------------------
         mbs = [mb for _, shard in local for mb in microbatches(shard, cfg.train.microbatch_tokens)]
-        n_total = dist.sum_int(len(mbs))
-        noise = t.model.noise_std(t.step, t.total_steps)
-        stats = t.model.zero_stats()
-        for mb in mbs:
-            loss, st = t.model.loss({k: v.to(t.device, non_blocking=True) for k, v in mb.items()}, noise)
-            (loss / n_total).backward()
-            t.model.add_stats(stats, st)
+        stats = forward_backward(t.model, mbs, t.device, t.model.noise_std(t.step, t.total_steps))
 
-        # ---- optimizer step (gradients summed over ranks), then the shards are consumed -------------
+        # ---- optimizer step (gradients summed over ranks / the step's total loss weight), consume ----
         lr = t.optim.lr(t.step, t.total_steps)
-        t.optim.step(lr)
+        t.optim.step(lr, stats["weight_sum"])
         t.step += 1
         jobs = dist.gather_jobs([(job.id, dist.rank, int(shard.input_ids.numel()), job.bucket,
                                   float(shard.input_ids.numel()) / max(1, shard.cu_seqlens.numel() - 1))

@@ -6,25 +6,34 @@ Contract (the trainer calls :func:`dflash_loss` once per microbatch):
   (1 = train on this token) and ``cu_seqlens [N+1]`` (packed sequences), as
   attributes or mapping keys: a shard from :mod:`dflash_staged.store` fits.
 * **Anchors.** Per sequence, up to ``num_anchors`` positions drawn uniformly without
-  replacement from the candidates: ``loss_mask = 1`` and at least ``B-1`` tokens
-  after them in the sequence. Drawn afresh at every call from ``generator``
+  replacement from the candidates: positions ``t`` with ``loss_mask[t] = 1`` whose next
+  token ``t+1`` is inside the sequence and has ``loss_mask = 1`` (SpecForge's rule: no
+  block without a label at offset 1; a block may run past the end of the sequence, so
+  the end of every answer is trained too). Drawn afresh at every call from ``generator``
   (so a seeded generator replays the same anchors).
 * **Labels.** Block offset ``k`` (1..B-1) predicts ``ids[anchor+k]`` with no shift;
   a label counts when it lies inside the sequence and its ``loss_mask`` is 1.
   Offset 0 (the anchor token itself) carries no loss.
-* **Loss.** Cross-entropy weighted by ``w_k = exp(-(k-1)/gamma)``, normalised by
-  the sum of the weights of the valid labels (a weighted mean, as in SpecForge).
+* **Loss.** Cross-entropy weighted by ``w_k = exp(-(k-1)/gamma)`` over the valid labels,
+  divided by ``denom``: by default this microbatch's weight sum (a weighted mean). The
+  trainer passes ``denom=1`` (the weighted sum), sums gradients over microbatches and
+  ranks and divides them by the optimizer step's total weight over all ranks
+  (:meth:`dflash_staged.train.optim.Optimizer.reduce_gradients`), so every label of the
+  step weighs the same however the step's tokens were split into microbatches.
   The LM head and the loss run in chunks of ``loss_chunk`` positions and the
   gradient of each chunk is formed right away, so logits never exist for more
   than one chunk, in the forward or the backward (the head is frozen, so only
   the gradient to the drafter states is needed).
 * **Stats** (tensors on the batch's device, no host sync): ``correct [B-1]`` and
   ``total [B-1]`` top-1 counts per offset, ``loss_sum`` (weighted CE sum),
-  ``weight_sum``, ``num_anchors``. Sum them over microbatches/ranks, then
-  :func:`per_offset_accuracy` and :func:`acceptance_metrics`.
-* **Acceptance length** ``tau = 1 + sum_k prod_{j<=k} acc_j``: tokens committed per
-  verify step *including* the bonus token the target always adds, as the
-  reference ``dflash`` benchmark counts it (its ``acceptance_length + 1``).
+  ``weight_sum``, ``accepted`` and ``blocks`` (see below), ``num_anchors``. Sum them over
+  microbatches/ranks, then :func:`per_offset_accuracy` and :func:`training_tau`.
+* **Acceptance length** per block, as a cumulative product of hits
+  (:func:`block_acceptance`, SpecForge's rule): a block accepts its leading run of
+  correct top-1 predictions; an invalid label (past the end, or ``loss_mask = 0``)
+  neither breaks the run nor counts. ``tau = 1 + accepted / blocks`` over the blocks with
+  a valid label: tokens committed per verify step *including* the bonus token the target
+  always adds, as the reference ``dflash`` benchmark counts it (its ``acceptance_length + 1``).
 """
 
 from __future__ import annotations
@@ -53,7 +62,8 @@ def sample_anchors(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size
     lengths = cu[1:] - cu[:-1]
     seq = torch.repeat_interleave(torch.arange(N, device=dev), lengths, output_size=T)
     end = cu[1:][seq]  # exclusive end of each token's sequence
-    cand = (loss_mask > 0) & (torch.arange(T, device=dev) + (block_size - 1) < end)
+    nxt = torch.cat([loss_mask[1:], loss_mask.new_zeros(1)]) > 0
+    cand = (loss_mask > 0) & nxt & (torch.arange(T, device=dev) + 1 < end)
     gdev = generator.device if generator is not None else dev
     r = torch.rand(T, generator=generator, device=gdev).to(dev)
     # Sort by (sequence, candidate first, random key): the first num_anchors of each run win.
@@ -125,10 +135,11 @@ class _ChunkedHeadCE(torch.autograd.Function):
 
 
 def head_loss(h: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
-              loss_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted-mean CE of the LM head over rows ``h [P, H]``; returns (loss, weight_sum, hits [P])."""
+              loss_chunk: int = 4096, denom=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted CE of the LM head over rows ``h [P, H]`` divided by ``denom`` (default: the weight
+    sum, a weighted mean); returns (loss, weight_sum, hits [P])."""
     wsum = row_weights.float().sum()
-    denom = wsum.clamp_min(1e-6)
+    denom = wsum.clamp_min(1e-6) if denom is None else torch.as_tensor(denom, dtype=torch.float32, device=h.device)
     loss, hits = _ChunkedHeadCE.apply(h, lm_head_weight, labels, row_weights.float(), denom, max(1, loss_chunk))
     return loss, wsum, hits
 
@@ -142,8 +153,16 @@ def add_noise(hidden: torch.Tensor, std: float, generator: torch.Generator | Non
     return (hidden.float() + std * noise.to(hidden.device)).to(hidden.dtype)
 
 
+def block_acceptance(hits: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block accepted lengths from top-1 ``hits [A, B-1]`` and label validity ``valid [A, B-1]``:
+    (sum of accepted lengths, number of blocks with a valid label); see the module contract."""
+    run = torch.cumprod((hits | ~valid).long(), dim=1) * valid
+    return run.sum(), valid.any(dim=1).sum()
+
+
 def dflash_loss(drafter, batch: Any, num_anchors: int, gamma: float, generator: torch.Generator | None = None,
-                noise_std: float = 0.0, loss_chunk: int = 4096) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                noise_std: float = 0.0, loss_chunk: int = 4096, denom=None,
+                attention="sdpa") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DFlash loss of one microbatch and its stats (see the module contract)."""
     hidden = _field(batch, "hidden")
     dev = hidden.device
@@ -160,17 +179,20 @@ def dflash_loss(drafter, batch: Any, num_anchors: int, gamma: float, generator: 
     if A == 0:
         loss = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
         zero = torch.zeros((), device=dev)
+        none = torch.zeros((), dtype=torch.long, device=dev)
         return loss, {"correct": zeros, "total": zeros.clone(), "loss_sum": zero, "weight_sum": zero.clone(),
-                      "num_anchors": torch.zeros((), dtype=torch.long, device=dev)}
+                      "accepted": none, "blocks": none.clone(), "num_anchors": none.clone()}
     hidden = add_noise(hidden, noise_std, generator)
-    out = drafter.forward_train(hidden, input_ids, cu, anchors)[:, 1:]  # [A, B-1, H]
+    out = drafter.forward_train(hidden, input_ids, cu, anchors, attention=attention)[:, 1:]  # [A, B-1, H]
     labels, valid = block_labels(input_ids, loss_mask, cu, anchors, B)
     w = decay_weights(B, gamma, dev)[None, :] * valid
     loss, wsum, hits = head_loss(out.reshape(-1, out.shape[-1]), drafter.lm_head_weight, labels.reshape(-1),
-                                 w.reshape(-1), loss_chunk)
-    hits = hits.view(A, B - 1) & valid
-    stats = {"correct": hits.sum(0), "total": valid.sum(0), "loss_sum": loss.detach() * wsum.clamp_min(1e-6),
-             "weight_sum": wsum, "num_anchors": torch.tensor(A, device=dev)}
+                                 w.reshape(-1), loss_chunk, denom)
+    hits = hits.view(A, B - 1)
+    accepted, blocks = block_acceptance(hits, valid)
+    used = wsum.clamp_min(1e-6) if denom is None else torch.as_tensor(denom, dtype=torch.float32, device=dev)
+    stats = {"correct": (hits & valid).sum(0), "total": valid.sum(0), "loss_sum": loss.detach() * used,
+             "weight_sum": wsum, "accepted": accepted, "blocks": blocks, "num_anchors": torch.tensor(A, device=dev)}
     return loss, stats
 
 
@@ -195,11 +217,6 @@ def per_offset_accuracy(correct, total) -> list[float]:
     return (c / t.clamp_min(1)).tolist()
 
 
-def acceptance_metrics(per_offset_acc) -> tuple[list[float], float]:
-    """(accuracies, implied acceptance length ``tau = 1 + sum_k prod_{j<=k} acc_j``; includes the bonus token)."""
-    acc = [float(a) for a in per_offset_acc]
-    tau, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return acc, tau
+def training_tau(accepted, blocks) -> float:
+    """Acceptance length from summed per-block stats: ``1 + accepted / blocks`` (includes the bonus token)."""
+    return 1.0 + float(accepted) / max(float(blocks), 1.0)

@@ -37,13 +37,23 @@ class Optimizer:
     def lr(self, step: int, total_steps: int) -> float:
         return lr_at(step, total_steps, self.t.lr, self.t.warmup_ratio, self.t.lr_schedule, self.t.decay_ratio)
 
-    def step(self, lr: float) -> None:
-        """Sum the gradients over ranks, clip, apply at ``lr``, zero them."""
+    def reduce_gradients(self, weight_sum: torch.Tensor | None = None) -> None:
+        """Sum the gradients over ranks and, given this rank's loss weight sum for the step, divide
+        them by the step's total over all ranks (one all-reduce for both): the gradient of the
+        step's weighted mean loss when each microbatch backpropagated its weighted sum."""
         params = list(self.params.values())
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.dist.all_reduce_([p.grad for p in params])
+        total = [] if weight_sum is None else [weight_sum.detach().reshape(1).to(params[0].grad).clone()]
+        self.dist.all_reduce_([p.grad for p in params] + total)
+        if total:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / total[0][0].clamp_min(1e-6))
+
+    def step(self, lr: float, weight_sum: torch.Tensor | None = None) -> None:
+        """:meth:`reduce_gradients`, clip, apply at ``lr``, zero the gradients."""
+        self.reduce_gradients(weight_sum)
+        params = list(self.params.values())
         if self.t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, self.t.grad_clip)
         for g in self.opt.param_groups:
