@@ -186,7 +186,6 @@ class TrainConfig:
     # Attention in training: "flex" (block-sparse flex_attention, CUDA), "sdpa" (dense masks), or
     # "auto" = flex on CUDA, sdpa elsewhere. See dflash_staged/model/flex_blocks.py.
     attention: str = "auto"
-    compile: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -396,24 +395,6 @@ def dflash_target_layers(num_target_layers: int, num_draft_layers: int) -> list[
     if k == 1:
         return [L // 2]
     return [round(1 + i * (L - 4) / (k - 1)) for i in range(k)]
-
-
-def window_check(cfg: Config, window: int, workers: int, ranks: int) -> tuple[str | None, str | None]:
-    """(error, warning) about window W against the trainer: N = min_ready, C = capacity."""
-    t = cfg.train
-    n_need = t.min_ready * ranks
-    per_ckpt = t.checkpoint_every * t.grad_accum * ranks
-    comfortable = t.buffer_capacity * ranks + 3 * workers + per_ckpt
-    if window < n_need:
-        return (f"window {window} < train.min_ready {t.min_ready} x {ranks} rank(s) = {n_need}: the trainer "
-                f"would wait forever for shards the extractor may not write. Raise --window to at least "
-                f"{n_need} (comfortable: {comfortable}), or lower train.min_ready"), None
-    if window < comfortable:
-        return None, (f"window {window} < buffer capacity {t.buffer_capacity} x {ranks} rank(s) + 3 x {workers} "
-                      f"worker(s) + {per_ckpt} shards consumed per checkpoint interval "
-                      f"({t.checkpoint_every} steps x {t.grad_accum} x {ranks}) = {comfortable}: target workers "
-                      "may idle while the trainer holds shards; raise --window to keep them busy")
-    return None, None
 
 
 def target_from_spec(spec: str) -> TargetConfig:

@@ -15,8 +15,8 @@ def test_without_option_drops_both_spellings():
 
 
 def test_parse_sets_and_sizes():
-    assert parse_sets(["train.lr=1e-3", "drafter.block_size=8", "train.compile=true"]) == \
-        {"train": {"lr": 1e-3, "compile": True}, "drafter": {"block_size": 8}}
+    assert parse_sets(["train.lr=1e-3", "drafter.block_size=8", "train.keep_shards=true"]) == \
+        {"train": {"lr": 1e-3, "keep_shards": True}, "drafter": {"block_size": 8}}
     with pytest.raises(DflashError, match="SECTION.KEY=VALUE"):
         parse_sets(["lr=1"])
     assert parse_size("512M") == 512 * 2**20 and parse_size("1.5T") == int(1.5 * 2**40) and parse_size("1000") == 1000

@@ -46,7 +46,7 @@ def test_recipe_loads_and_builds_the_drafter_config(name):
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_window_fits_its_trainer_and_disk_numbers(name):
-    from dflash_staged.config import window_check
+    from dflash_staged.manifest.window import window_check
     cfg = load_config(ROOT / "configs" / name)
     err, warn = window_check(cfg, cfg.extract.window, workers=4, ranks=4)  # the 4 + 4 GPU layout of the docs
     assert err is None and warn is None

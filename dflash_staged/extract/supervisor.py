@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import click
 
-from dflash_staged.config import window_check
+from dflash_staged.manifest.window import window_check
 from dflash_staged.errors import DflashError
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, ExtractOptions
 from dflash_staged.extract.worker import POLL_S, should_stay, worker_main

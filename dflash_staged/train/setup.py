@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_staged.config import REPLAY_OVERRIDABLE, Config, apply_overrides, window_check
+from dflash_staged.config import REPLAY_OVERRIDABLE, Config, apply_overrides
+from dflash_staged.manifest.window import window_check
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
