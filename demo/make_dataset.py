@@ -18,6 +18,7 @@ The committed files were made with the defaults and ``--threads 1`` (about 12 mi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     known = committed_answers(args.out, args.seed, args.max_new_tokens)  # greedy: the same text on a re-run
     todo = [p for p in prompts if p not in known]
     t_gen = time.perf_counter()
+    key = hashlib.sha256("\0".join(todo).encode()).hexdigest()[:12]  # a rerun of the same work resumes it
     fresh = dict(zip(todo, generate(model_dir, todo, args.max_new_tokens, args.batch_size,
-                                    args.cache / f"regenerate-s{args.seed}-m{args.max_new_tokens}"))) if todo else {}
+                                    args.cache / f"regenerate-m{args.max_new_tokens}-{key}"))) if todo else {}
     responses = [known.get(p) or fresh[p] for p in prompts]
     gen_s = time.perf_counter() - t_gen
 

@@ -144,9 +144,11 @@ def extract(manifest_dir, store_dir, devices, tp, window, window_bytes, train_ra
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Trainer ranks: relaunch under torchrun (DDP).")
 @click.option("--tensorboard", is_flag=True, help="Also log to RUN_DIR/tensorboard.")
+@click.option("--init-from", type=click.Path(path_type=Path), default=None,
+              help="Start a new run from this run's (newest) or checkpoint's drafter weights, e.g. a live run.")
 @user_errors
 def train(manifest_dir, store_dir, out_dir, replay, keep_shards, order_from, passes, sets, device, no_verify,
-          max_steps, total_steps, nproc, tensorboard):
+          max_steps, total_steps, nproc, tensorboard, init_from):
     """Train the drafter from the shards extract writes (or replay a kept store)."""
     import os
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -160,7 +162,8 @@ def train(manifest_dir, store_dir, out_dir, replay, keep_shards, order_from, pas
     from dflash_staged.train.trainer import build_trainer
     opts = TrainOptions(manifest=manifest_dir, store=store_dir, out=out_dir, replay=replay, keep_shards=keep_shards,
                         order_from=order_from, passes=passes, overrides=parse_sets(sets), device=device,
-                        verify=not no_verify, max_steps=max_steps, total_steps=total_steps, tensorboard=tensorboard)
+                        verify=not no_verify, max_steps=max_steps, total_steps=total_steps, tensorboard=tensorboard,
+                        init_from=init_from)
     trainer = build_trainer(opts)
     try:
         code = train_loop(trainer)

@@ -17,7 +17,7 @@ from dflash_staged.model.draft_config import DraftModelConfig
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2-demo.toml"
 # SmolLM2-135M-Instruct (LlamaForCausalLM), as the issue measured it and demo.py documents it.
-LAYERS, HIDDEN, VOCAB, MAX_CONVERSATION_TOKENS = 30, 576, 49152, 219
+LAYERS, HIDDEN, VOCAB, MAX_CONVERSATION_TOKENS = 30, 576, 49152, 226
 
 
 def test_demo_config_loads_and_builds_the_drafter_config():

@@ -21,7 +21,7 @@ from dflash_staged.errors import DflashError
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "demo" / "data"
 MAX_NEW = 128
-N_TRAIN, N_HELD = 216, 40
+N_TRAIN, N_HELD = 716, 40
 
 
 def _load_module(name: str):
@@ -61,7 +61,7 @@ def test_counts_match_spec_and_meta(train, heldout, meta):
     assert meta["files"]["train.jsonl"]["conversations"] == len(train)
     assert meta["files"]["heldout.jsonl"]["conversations"] == len(heldout)
     assert meta["max_new_tokens"] == MAX_NEW and meta["greedy"] is True
-    assert 20_000 <= meta["files"]["train.jsonl"]["tokens"] <= 40_000
+    assert 80_000 <= meta["files"]["train.jsonl"]["tokens"] <= 120_000
 
 
 @pytest.mark.parametrize("name", ["train.jsonl", "heldout.jsonl"])
@@ -118,8 +118,9 @@ def test_token_counts_with_cached_tokenizer(train, heldout):
     for r in train + heldout:
         ids = tok.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"]
         assert demo.MASK_TOKEN_ID not in ids
-        # the response re-tokenizes to the target's own tokens (at most max_new_tokens of them)
-        assert len(tok(r["messages"][1]["content"])["input_ids"]) <= MAX_NEW
+        # the response re-tokenizes to about the target's own tokens (at most max_new_tokens of them; a
+        # generation may take a non-canonical split, which re-tokenizing merges or splits: 1 of 756 here)
+        assert len(tok(r["messages"][1]["content"])["input_ids"]) <= MAX_NEW + 2
     # SmolLM's digit-splitting pre-tokenizer, which the GGUF reader drops, is restored
     assert "\u010a\u010a" in tok.convert_ids_to_tokens(tok("1. a\n\n2. b")["input_ids"])
 

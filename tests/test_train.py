@@ -178,3 +178,14 @@ def test_ddp_two_ranks_gloo(extracted, tmp_path):
     assert sorted(int(j[0]) for j in items) == sorted(j.id for j in m.jobs())
     assert {int(j[1]) for j in items} == {0, 1}
     assert m.counts()["released"] == len(items)
+
+
+def test_init_from_a_live_run_warm_starts_the_replay(kept, tmp_path):
+    args = ("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store", "--max-steps", "1")
+    cold = run_dflash(*args, "--out", tmp_path / "cold")
+    warm = run_dflash(*args, "--out", tmp_path / "warm", "--init-from", kept / "live")
+    assert cold.returncode == 0 and warm.returncode == 0, warm.stdout + warm.stderr
+    assert "drafter initialised from" in warm.stderr and str(kept / "live") in warm.stderr
+    assert metrics(tmp_path / "warm")[0]["loss"] < metrics(tmp_path / "cold")[0]["loss"]
+    bad = run_dflash(*args, "--out", tmp_path / "bad", "--init-from", tmp_path / "nothing")
+    assert bad.returncode == 1 and "--init-from" in bad.stderr and "Traceback" not in bad.stderr

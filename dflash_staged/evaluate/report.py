@@ -36,19 +36,6 @@ from dflash_staged.evaluate.prompts import chat_options, load_prompts
 from dflash_staged.evaluate.speculative import DrafterProposer, acceptance_stats, greedy_generate, speculative_generate
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A drafter checkpoint directory, or a run directory's newest ``checkpoints/step_*``."""
-    from dflash_staged.train.checkpoint import latest_checkpoint
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise DflashError(f"--drafter {path}: neither a drafter checkpoint (config.json + model.safetensors) "
-                          "nor a run directory with checkpoints/step_*; give one of those")
-    return latest
-
-
 def _say(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"eval: {msg}", file=sys.stderr, flush=True)
@@ -66,11 +53,12 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
     (the checkpoint's record, updated by `chat_template_kwargs`, template replaced by `chat_template`).
     """
     from dflash_staged.config import target_from_spec
+    from dflash_staged.train.checkpoint import resolve_checkpoint
     from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids
     from dflash_staged.model.dims import target_dims
     from dflash_staged.model.weights import load_drafter, read_drafter_config
 
-    ckpt = resolve_checkpoint(drafter_path)
+    ckpt = resolve_checkpoint(drafter_path, "--drafter")
     dcfg = read_drafter_config(ckpt)
     tcfg = target_from_spec(target_spec)
     num_layers, hidden, vocab = target_dims(tcfg)

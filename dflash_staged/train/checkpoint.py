@@ -70,6 +70,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return cks[-1][1] if cks else None
 
 
+def resolve_checkpoint(path: str | Path, flag: str) -> Path:
+    """A drafter checkpoint directory (config.json + model.safetensors), or a run directory's newest."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise DflashError(f"{flag} {path}: neither a drafter checkpoint (config.json + model.safetensors) "
+                          "nor a run directory with checkpoints/step_*; give one of those")
+    return latest
+
+
 def cleanup_tmp(run_dir: Path) -> None:
     """Remove checkpoints a killed trainer left half-written."""
     d = checkpoints_dir(run_dir)

@@ -21,3 +21,4 @@ class TrainOptions:
     max_steps: int | None = None  # stop (with a checkpoint) once this many steps are done
     total_steps: int | None = None  # the lr/noise schedule's length [default: the data's]
     tensorboard: bool = False
+    init_from: Path | None = None  # start a new run from this run's or checkpoint's drafter weights

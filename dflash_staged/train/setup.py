@@ -69,8 +69,9 @@ def wait_for_store(opts: TrainOptions, m: Manifest) -> ShardStore:
     return ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})
 
 
-def build_drafter(cfg: Config, store: ShardStore, device: torch.device):
-    """A freshly initialised drafter for this target and store, with the frozen embedding and head."""
+def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_from: Path | None = None):
+    """A freshly initialised drafter for this target and store, with the frozen embedding and head;
+    ``init_from`` (``--init-from``): start from another run's (or checkpoint's) weights instead."""
     from dflash_staged.model.dims import target_dims
     from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
     from dflash_staged.model.target import load_tokenizer
@@ -92,12 +93,35 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device):
                                         list(store.meta.layer_ids), mask_id)
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, embed, head)
-    if from_target:
+    if from_target and init_from is None:  # (a warm start replaces every weight anyway)
         from dflash_staged.model.init import init_from_target
         copied = init_from_target(drafter, cfg.target)
         print(f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
               file=sys.stderr, flush=True)
+    if init_from is not None:
+        src = warm_start(drafter, init_from)
+        print(f"train: drafter initialised from {src}", file=sys.stderr, flush=True)
     return drafter.to(device)
+
+
+def warm_start(drafter, path: Path) -> Path:
+    """Copy a checkpoint's drafter weights (its fp32 masters when it has them) into ``drafter``."""
+    from safetensors.torch import load_file
+    ck = ckpt.resolve_checkpoint(path, "--init-from")
+    masters = ck / "trainer_state.safetensors"
+    if masters.is_file():
+        state = {k[len("master."):]: v for k, v in load_file(str(masters)).items() if k.startswith("master.")}
+    else:
+        state = load_file(str(ck / "model.safetensors"))
+    own = dict(drafter.named_parameters())
+    bad = sorted(set(own) ^ set(state)) or [k for k in own if tuple(own[k].shape) != tuple(state[k].shape)]
+    if bad:
+        raise DflashError(f"--init-from {ck}: its drafter does not fit this one ({bad[0]} and {len(bad) - 1} more "
+                          "differ); warm-start from a drafter of the same layers and sizes")
+    with torch.no_grad():
+        for k, p in own.items():
+            p.copy_(state[k].to(p.dtype))
+    return ck
 
 
 def load_order(path: Path) -> dict[int, list[int]]:

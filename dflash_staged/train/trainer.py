@@ -135,7 +135,7 @@ def build_trainer(opts: TrainOptions) -> Trainer:
     store = setup.wait_for_store(opts, m)
     if not opts.replay and dist.rank == 0:
         store.cleanup_temp(claimed=m.holds_claim)  # half-deleted shards of a killed trainer, half-written ones of dead workers
-    model = DrafterModel(setup.build_drafter(cfg, store, device), cfg.train, device, dist.rank)
+    model = DrafterModel(setup.build_drafter(cfg, store, device, opts.init_from), cfg.train, device, dist.rank)
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:
         order = setup.load_order(opts.order_from) if opts.order_from else None
