@@ -46,7 +46,9 @@ def dflash(*args, env: dict | None = None, timeout: float = 3600) -> subprocess.
 
 
 def sets(overrides: dict) -> list[str]:
-    return [x for k, v in overrides.items() for x in ("--set", f"{k}={json.dumps(v)}")]
+    """``--set`` flags; the key ``init_from`` (a run directory) becomes ``--init-from``."""
+    flags = [x for k, v in overrides.items() if k != "init_from" for x in ("--set", f"{k}={json.dumps(v)}")]
+    return flags + (["--init-from", str(Path(overrides["init_from"]).resolve())] if "init_from" in overrides else [])
 
 
 def step_seconds(metrics: Path) -> float:

@@ -58,3 +58,35 @@ def test_bin_demo_is_valid_bash_and_ends_with_the_tau_line():
     text = script.read_text()
     assert "bin/_env.sh" in text and "demo/prepare.py prepare" in text and "--keep-shards" in text
     assert text.rstrip().splitlines()[-2].startswith('print(f"tau=')  # the last line printed
+
+
+def test_the_demo_recipe_mixes_length_buckets_in_every_step(tmp_path):
+    """The demo's [data] and [train] on the tiny target and demo-like lengths: a live run and its
+    replay, where every optimizer step whose buffer offered two buckets trains on two or more."""
+    import tomllib
+    from helpers import cli, run_dflash, toml_value, write_config, write_dataset
+    recipe = tomllib.loads(CONFIG.read_text())
+    extra = "".join(f"[{s}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in recipe[s].items())
+                    for s in ("data", "train"))
+    cfg = write_config(tmp_path / "cfg.toml", extra)
+    data = write_dataset(tmp_path / "d.jsonl", n=60, lo=40, hi=MAX_CONVERSATION_TOKENS)
+    code, text = cli("plan", "--config", cfg, "--data", data, "--manifest", tmp_path / "m")
+    assert code == 0, text
+    m, store = tmp_path / "m", tmp_path / "store"
+    steps = {}
+    for name, args in (("live", ("extract", "--manifest", m, "--store", store, "--devices", "cpu", "--window", "256")),
+                       ("live", ("train", "--manifest", m, "--store", store, "--out", tmp_path / "live",
+                                 "--keep-shards")),
+                       ("replay", ("train", "--replay", "--manifest", m, "--store", store, "--out",
+                                   tmp_path / "replay", "--max-steps", "12"))):
+        r = run_dflash(*args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        if args[0] == "train":
+            steps[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    for name, lines in steps.items():
+        assert len(lines) >= 5, name
+        for x in lines:
+            assert len(x["jobs"]) >= 2, (name, x)  # several jobs per optimizer step ...
+            if x["bucket_choices"] >= 2:
+                assert len(set(x["buckets"])) >= 2, (name, x)  # ... from different length buckets
+        assert sum(len(set(x["buckets"])) >= 2 for x in lines) >= 0.8 * len(lines), name

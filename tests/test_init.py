@@ -1,4 +1,4 @@
-"""Initialising the drafter from the target's top layers (drafter.init = "target_top")."""
+"""Initialising the drafter from the target's top layers (drafter.init = "auto" | "target_top")."""
 
 from __future__ import annotations
 
@@ -84,3 +84,21 @@ def test_shapes_that_cannot_match_are_refused(change, needle):
     with pytest.raises(DflashError, match="drafter.init = 'target_top'") as e:
         init_from_target(d, tcfg)
     assert needle in str(e.value)
+
+
+def test_auto_copies_where_the_layers_fit_and_keeps_random_weights_where_not(capsys):
+    from dflash_staged.train.setup import init_from_target_layers
+    d, tcfg = drafter_for("qwen3", layers=2, taps=(1, 3, 4))
+    cfg = Config(target=tcfg)
+    assert cfg.drafter.init == "auto"  # the default for new runs
+    out = init_from_target_layers(cfg, d, fresh=lambda: pytest.fail("the layers fit"))
+    assert out is d and torch.equal(dict(d.named_parameters())["layers.1.mlp.up_proj.weight"],
+                                    open_target_tensors(tcfg).get("model.layers.5.mlp.up_proj.weight"))
+    assert "drafter initialised from the target" in capsys.readouterr().err
+    bad, _ = drafter_for("qwen3", layers=2, intermediate_size=100)
+    fresh, _ = drafter_for("qwen3", layers=2, intermediate_size=100)
+    assert init_from_target_layers(cfg, bad, fresh=lambda: fresh) is fresh
+    assert "drafter.init = 'auto': random weights" in capsys.readouterr().err
+    cfg.drafter.init = "target_top"  # asked for explicitly: refused, naming the fix
+    with pytest.raises(DflashError, match="set drafter.intermediate_size"):
+        init_from_target_layers(cfg, drafter_for("qwen3", layers=2, intermediate_size=100)[0], fresh=lambda: None)

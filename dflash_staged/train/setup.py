@@ -84,7 +84,7 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_fro
     embed_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed, head = load_embed_and_head(cfg.target, dtype=embed_dtype, device=device)
     mask_id = validate_mask_token(cfg.drafter.mask_token_id, load_tokenizer(cfg.target), dims.vocab_size)
-    from_target = cfg.drafter.init == "target_top"
+    from_target = cfg.drafter.init != "random"  # target_top, or auto
     if from_target and not cfg.drafter.intermediate_size:  # the target's MLP width, so it can be copied
         from dflash_staged.model.dims import target_text_config
         cfg = copy.deepcopy(cfg)
@@ -94,14 +94,29 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_fro
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, embed, head)
     if from_target and init_from is None:  # (a warm start replaces every weight anyway)
-        from dflash_staged.model.init import init_from_target
-        copied = init_from_target(drafter, cfg.target)
-        print(f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
-              file=sys.stderr, flush=True)
+        drafter = init_from_target_layers(cfg, drafter, lambda: DFlashDrafter(dcfg, embed, head))
     if init_from is not None:
         src = warm_start(drafter, init_from)
         print(f"train: drafter initialised from {src}", file=sys.stderr, flush=True)
     return drafter.to(device)
+
+
+def init_from_target_layers(cfg: Config, drafter, fresh):
+    """``drafter.init``: target_top copies the target's top layers (or fails, naming the fix); auto
+    does so where they fit and otherwise keeps random weights (``fresh()``, same seed), saying why."""
+    from dflash_staged.model.init import init_from_target
+    try:
+        copied = init_from_target(drafter, cfg.target)
+    except DflashError as e:
+        if cfg.drafter.init == "target_top":
+            raise
+        torch.manual_seed(cfg.train.seed)
+        print(f"train: drafter.init = 'auto': random weights, the target's layers do not fit ({e})",
+              file=sys.stderr, flush=True)
+        return fresh()
+    print(f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
+          file=sys.stderr, flush=True)
+    return drafter
 
 
 def warm_start(drafter, path: Path) -> Path:
