@@ -181,7 +181,7 @@ class TrainConfig:
     noise_std: float = 0.0
     noise_schedule: str = "constant"  # constant | linear | cosine (decay to 0 over training)
     buffer_capacity: int = 8
-    min_ready: int = 4
+    min_ready: int = 4  # shards ready before a step; with grad_accum >= 2 also from 2+ buckets (or a full buffer)
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10  # host-synchronising metrics (loss, accuracy) every N steps on CUDA

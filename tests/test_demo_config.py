@@ -29,6 +29,8 @@ def test_demo_config_loads_and_builds_the_drafter_config():
     assert cfg.data.max_len >= MAX_CONVERSATION_TOKENS  # no demo conversation is truncated
     assert t.min_ready <= t.buffer_capacity and 0 < t.gamma <= d.block_size
     assert t.num_anchors <= MAX_CONVERSATION_TOKENS  # anchors are positions: at most one per token
+    from dflash_staged.manifest.window import window_check
+    assert window_check(cfg, cfg.extract.window, workers=1, ranks=1) == (None, None)  # bin/demo: 1 worker
     dcfg = DraftModelConfig.from_config(cfg, HIDDEN, VOCAB, LAYERS, cfg.target.target_layer_ids, d.mask_token_id)
     assert dcfg.head_dim * dcfg.num_attention_heads == HIDDEN
     assert DraftModelConfig.from_json(dcfg.to_json()) == dcfg

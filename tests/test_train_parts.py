@@ -94,6 +94,42 @@ def test_buffer_prefers_buckets_not_yet_in_the_step(live):
         buf.close()
 
 
+def test_a_step_of_several_jobs_waits_for_two_buckets_unless_nothing_more_can_come(live):
+    from types import SimpleNamespace
+    from dflash_staged.train.trainer import Trainer
+    m, store = live
+    publish_all(m, store)
+    jobs = m.jobs("written")
+    by_bucket = {}
+    for j in jobs:
+        by_bucket.setdefault(j.bucket, []).append(j)
+    (a, b, *_), other = sorted(by_bucket.values(), key=len, reverse=True)[:2]  # 2+ jobs in the first
+    finished = [False]
+    buf = ShardBuffer(store, capacity=4)
+    t = SimpleNamespace(buffer=buf, cfg=SimpleNamespace(train=TrainConfig(grad_accum=2, min_ready=2,
+                                                                           buffer_capacity=4)),
+                        source=SimpleNamespace(finished=lambda: finished[0]))
+    ready = lambda: Trainer.ready(t)  # noqa: E731
+    buf.admit([a])
+    assert not ready()  # fewer than min_ready
+    buf.admit([b])
+    assert not ready()  # two shards, one bucket
+    buf.admit([other[0]])
+    assert ready()  # two buckets
+    t.cfg.train.grad_accum = 1
+    buf.entries.pop()
+    assert ready()  # one job per step: one bucket is all it can mix
+    t.cfg.train.grad_accum = 2
+    assert not ready()
+    finished[0] = True
+    assert ready()  # nothing more is coming: never wait on what cannot arrive
+    finished[0] = False
+    assert [e.bucket for e in buf.entries] == [a.bucket] * 2
+    buf.capacity = 2
+    assert ready()  # a full buffer of one bucket cannot change: draw from it
+    buf.close()
+
+
 def test_buffer_load_raises_for_a_damaged_shard(live):
     m, store = live
     publish_all(m, store, limit=1)

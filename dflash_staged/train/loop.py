@@ -1,7 +1,7 @@
 """``dflash train``: the training loop, top to bottom.
 
-Each step: gather this step's shards (waiting while fewer than ``train.min_ready`` are ready,
-never while holding consumed, unreleased shards), forward/backward every microbatch (each
+Each step: gather this step's shards (waiting while fewer than ``train.min_ready`` are ready, or
+all from one length bucket, never while holding consumed, unreleased shards), forward/backward every microbatch (each
 backpropagates its weighted loss sum), sum the gradients over ranks and divide them by the
 step's total loss weight over all ranks, take the optimizer step, record the shards as consumed, log, and every
 ``train.checkpoint_every`` steps checkpoint and release. The consumption, release and resume
@@ -63,21 +63,21 @@ class StopRequested:
 
 
 def gather_step(t: Trainer, stop) -> StepData | None:
-    """Draw this step's shards (distinct shards, preferring distinct buckets); wait while fewer
-    than min_ready are ready and extraction is not finished. None once everything is drained."""
+    """Draw this step's shards (distinct shards, preferring distinct buckets); wait while the
+    buffer is not ready (:meth:`Trainer.ready`). None once everything is drained."""
     data = StepData()
     t0 = time.perf_counter()
     waited = False
     while True:
         t.source.fill(t.buffer)
-        if len(t.buffer) >= t.cfg.train.min_ready or t.source.finished():
+        if t.ready():
             break
         if stop:
             return None
         if t.ledger.holds_unreleased(t.step) and not t.dist.enabled:
             t.checkpoint_and_release()  # frees the window before waiting (DDP: see train_loop)
         t.source.check_progress_possible()
-        t.progress.waiting(len(t.buffer), t.cfg.train.min_ready)
+        t.progress.waiting(len(t.buffer), t.cfg.train.min_ready, one_bucket=len(t.buffer) >= t.cfg.train.min_ready)
         waited = True
         time.sleep(WAIT_POLL_S)
     if waited:

@@ -18,8 +18,9 @@ class Progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr)
 
-    def waiting(self, ready: int, need: int) -> None:
-        self._say(f"waiting for shards: {ready}/{need} ready", force=False)
+    def waiting(self, ready: int, need: int, one_bucket: bool = False) -> None:
+        self._say(f"waiting for shards: {ready}/{need} ready" + (", all of one length bucket" if one_bucket else ""),
+                  force=False)
 
     def step(self, step: int, loss, tok_s: float, buf: int, cap: int) -> None:
         msg = f"loss {loss:.4f}" if loss is not None else "loss -"

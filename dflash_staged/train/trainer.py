@@ -66,10 +66,21 @@ class Trainer:
     def device(self) -> torch.device:
         return self.model.device
 
+    def ready(self) -> bool:
+        """Whether the buffer can give the next step its shards: ``train.min_ready`` of them, from two
+        or more length buckets when a step takes several jobs; unless the buffer is full or nothing
+        more is coming (never wait on what can no longer arrive)."""
+        b = self.buffer
+        if self.source.finished() or len(b) >= b.capacity:
+            return True
+        if len(b) < self.cfg.train.min_ready:
+            return False
+        return self.cfg.train.grad_accum < 2 or len({e.bucket for e in b.entries}) >= 2
+
     def would_wait(self) -> bool:
         """Whether gathering the next step would have to wait for shards."""
         self.source.fill(self.buffer)
-        return len(self.buffer) < self.cfg.train.min_ready and not self.source.finished()
+        return not self.ready()
 
     def checkpoint_and_release(self) -> None:
         """Save a checkpoint covering every completed step (collective), then release what it covers."""
