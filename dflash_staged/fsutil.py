@@ -68,6 +68,18 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     return path
 
 
+def write_figure_atomic(path: str | os.PathLike, fig, dpi: int = 100) -> Path:
+    """Render a matplotlib figure as PNG, close it, and write it with :func:`atomic_write`."""
+    import io
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=dpi)
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+    return atomic_write(path, buf.getvalue())
+
+
 def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> Path:
     """Write ``obj`` as JSON to ``path`` with :func:`atomic_write`."""
     return atomic_write(path, json.dumps(obj, indent=indent) + "\n")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from dflash_staged.errors import DflashError
-from dflash_staged.fsutil import atomic_write
+from dflash_staged.fsutil import write_figure_atomic
 
 
 def plot_eval(report: dict, path: str | Path) -> Path:
@@ -38,10 +37,4 @@ def plot_eval(report: dict, path: str | Path) -> Path:
     ax2.grid(alpha=0.3)
     fig.suptitle(f"{Path(report.get('drafter', '')).name} on {report.get('target', '')}", fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format="png", dpi=100)
-    finally:
-        plt.close(fig)
-    atomic_write(path, buf.getvalue())
-    return path
+    return write_figure_atomic(path, fig)

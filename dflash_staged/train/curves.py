@@ -7,12 +7,11 @@ Steps whose loss was not synchronised (CUDA, between ``train.log_every``) are sk
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 from dflash_staged.errors import DflashError
-from dflash_staged.fsutil import atomic_write
+from dflash_staged.fsutil import write_figure_atomic
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -59,9 +58,4 @@ def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
     fig.suptitle(f"{Path(run_dir).resolve().name}: {steps[-1]} steps, {sum(r['tokens'] for r in recs):,} tokens",
                  fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format="png", dpi=100)
-    finally:
-        plt.close(fig)
-    return atomic_write(Path(out) if out else Path(run_dir) / "metrics.png", buf.getvalue())
+    return write_figure_atomic(Path(out) if out else Path(run_dir) / "metrics.png", fig)
