@@ -12,6 +12,7 @@ import sys
 import click
 
 from dflash_staged.errors import DflashError, user_errors  # noqa: F401
+from dflash_staged.sizes import ByteSize
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -104,14 +105,20 @@ def status_cmd(manifest_dir, as_json, list_jobs):
 @click.option("--devices", default="cpu", show_default=True, help="One worker per device: cuda:0,cuda:1 or cpu,cpu.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Devices per worker: each group of TP consecutive --devices holds one tensor-parallel target.")
-@click.option("--window", type=int, default=None, help="Max shards claimed/written/consumed but not released.")
-@click.option("--window-bytes", type=str, default=None, help="Max bytes in the window, e.g. 200G (default: config).")
-@click.option("--train-ranks", type=int, default=1, show_default=True, help="Trainer ranks, for the window check.")
+@click.option("--window", type=click.IntRange(min=1), default=None,
+              help="Max shards claimed/written/consumed but not released.")
+@click.option("--window-bytes", type=ByteSize(zero="no limit"), default=None,
+              help="Max bytes in the window, e.g. 200G; 0 = no limit [default: extract.window_bytes].")
+@click.option("--train-ranks", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Trainer ranks, for the window check.")
 @click.option("--allow-slow-kernels", is_flag=True, help="Run a hybrid target on CUDA without fla/causal-conv1d.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
               help="Override target.dtype (CPU only; CUDA uses bf16 by default).")
+@click.option("--trainer-coming", is_flag=True, hidden=True,
+              help="A launcher starts `dflash train` beside it: wait longer for it to register.")
 @user_errors
-def extract(manifest_dir, store_dir, devices, tp, window, window_bytes, train_ranks, allow_slow_kernels, dtype):
+def extract(manifest_dir, store_dir, devices, tp, window, window_bytes, train_ranks, allow_slow_kernels,
+            dtype, trainer_coming):
     """Run target workers that write hidden-state shards for the manifest's jobs."""
     from dflash_staged.extract.options import options_from
     from dflash_staged.extract.supervisor import run_extract
@@ -119,8 +126,9 @@ def extract(manifest_dir, store_dir, devices, tp, window, window_bytes, train_ra
     with Manifest.open(manifest_dir) as m:
         cfg = m.config
     opts = options_from(manifest_dir, store_dir, devices, cfg.extract, window=window,
-                        window_bytes=parse_size(window_bytes) if window_bytes else None,
-                        allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks, tp=tp)
+                        window_bytes=window_bytes,
+                        allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks, tp=tp,
+                        trainer_coming=trainer_coming)
     sys.exit(run_extract(opts))
 
 
@@ -149,12 +157,18 @@ def extract(manifest_dir, store_dir, devices, tp, window, window_bytes, train_ra
 @user_errors
 def train(manifest_dir, store_dir, out_dir, replay, keep_shards, order_from, passes, sets, device, no_verify,
           max_steps, total_steps, nproc, tensorboard, init_from):
-    """Train the drafter from the shards extract writes (or replay a kept store)."""
+    """Train the drafter from the shards extract writes (or replay a kept store).
+
+    With --nproc N this process becomes torchrun (exec: the same pid) and its N ranks die with it,
+    even by ``kill -9`` (torchrun starts each rank in its own session: see :func:`die_with_torchrun`)."""
     import os
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "dflash_staged"] + without_option(sys.argv[1:], "--nproc")
+        os.environ[TORCHRUN_PID] = str(os.getpid())
         os.execv(sys.executable, cmd)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_torchrun()
     if order_from and not replay:
         raise DflashError("--order-from needs --replay")
     from dflash_staged.train.loop import train_loop
@@ -170,6 +184,22 @@ def train(manifest_dir, store_dir, out_dir, replay, keep_shards, order_from, pas
     finally:
         trainer.close()
     sys.exit(code)
+
+
+TORCHRUN_PID = "DFLASH_TORCHRUN_PID"  # set by `dflash train --nproc` for its ranks: the pid torchrun runs as
+
+
+def die_with_torchrun() -> None:
+    """A rank under torchrun: SIGKILL it when torchrun dies (torchrun starts each rank in its own
+    session, so a ``kill -9`` of torchrun left the ranks training as orphans that hold the manifest).
+    A rank whose torchrun died before the request took effect stops at once."""
+    import os
+    import signal
+    from dflash_staged.procs import die_with_parent
+    torchrun = int(os.environ.get(TORCHRUN_PID, "0") or 0) or os.getppid()
+    if not die_with_parent(signal.SIGKILL, parent=torchrun):
+        click.echo(f"train: torchrun (pid {torchrun}) exited before this rank started; stopping", err=True)
+        sys.exit(1)
 
 
 def without_option(args: list[str], name: str) -> list[str]:
@@ -301,18 +331,6 @@ def parse_json_object(text: str | None, flag: str) -> dict | None:
     if not isinstance(obj, dict):
         raise DflashError(f"{flag} {text!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'")
     return obj
-
-
-def parse_size(text: str) -> int:
-    """'200G', '1.5T', '512M', '1000' -> bytes."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    t = text.strip().upper().rstrip("B").rstrip("I")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise DflashError(f"cannot read size {text!r}: use a number of bytes or e.g. 512M, 200G, 1.5T") from None
 
 
 def _register_launchers() -> None:

@@ -66,9 +66,14 @@ def pid_alive(host: str | None, pid: int | None, start: int | None, boot_id: str
         return False
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Linux: deliver ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG); no-op elsewhere."""
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
+    """Linux: deliver ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG); no-op elsewhere.
+
+    Returns False when ``parent`` (the pid the caller knows started it) is no longer its parent:
+    it died before the request took effect, so no signal will come and the caller should exit.
+    (The signal follows the parent *thread* that started this process.)"""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    return parent is None or os.getppid() == parent

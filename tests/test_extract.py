@@ -96,7 +96,7 @@ def test_window_too_small_for_trainer_is_an_error(tmp_path):
     mdir = plan(tmp_path, n=8)
     r = run_dflash("extract", "--manifest", mdir, "--store", tmp_path / "s", "--devices", "cpu", "--window", "1")
     assert r.returncode == 1
-    assert "min_ready" in r.stderr and "Traceback" not in r.stderr
+    assert "buffer_capacity" in r.stderr and "Traceback" not in r.stderr
     r = run_dflash("extract", "--manifest", mdir, "--store", tmp_path / "s", "--devices", "cpu,cpu",
                    "--window", "16")
     assert "warning" not in r.stderr, r.stderr  # configs/tiny.toml passes with --window 16 and 2 workers

@@ -16,7 +16,7 @@ from dflash_staged.store import ShardError, ShardStore, StoreMeta
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.buffer import ShardBuffer
 from dflash_staged.train.distributed import Dist
-from dflash_staged.train.ledger import Ledger
+from dflash_staged.train.ledger import Consumed, Ledger
 from dflash_staged.train.loop import microbatches
 from dflash_staged.train.optim import Optimizer, lr_at
 from dflash_staged.train.sources import LiveSource, ReplaySource
@@ -96,7 +96,7 @@ def test_buffer_prefers_buckets_not_yet_in_the_step(live):
 
 def test_a_step_of_several_jobs_waits_for_two_buckets_unless_nothing_more_can_come(live):
     from types import SimpleNamespace
-    from dflash_staged.train.trainer import Trainer
+    from dflash_staged.train import draw
     m, store = live
     publish_all(m, store)
     jobs = m.jobs("written")
@@ -109,7 +109,7 @@ def test_a_step_of_several_jobs_waits_for_two_buckets_unless_nothing_more_can_co
     t = SimpleNamespace(buffer=buf, cfg=SimpleNamespace(train=TrainConfig(grad_accum=2, min_ready=2,
                                                                            buffer_capacity=4)),
                         source=SimpleNamespace(finished=lambda: finished[0]))
-    ready = lambda: Trainer.ready(t)  # noqa: E731
+    ready = lambda: draw.ready(t)  # noqa: E731
     buf.admit([a])
     assert not ready()  # fewer than min_ready
     buf.admit([b])
@@ -204,8 +204,8 @@ def test_ledger_releases_only_what_a_checkpoint_covers(live, keep):
     m, store = live
     ids = publish_all(m, store, limit=4)
     led = Ledger(m, store, live=True, rank=0, keep_shards=keep)
-    led.record(1, [[ids[0], 0, 10, 0, 5.0], [ids[1], 0, 10, 0, 5.0]])
-    led.record(2, [[ids[2], 0, 10, 0, 5.0]])
+    led.record(1, [Consumed(ids[0], 0, 10, 0, 5.0), Consumed(ids[1], 0, 10, 0, 5.0)])
+    led.record(2, [Consumed(ids[2], 0, 10, 0, 5.0)])
     assert led.holds_unreleased(2) and m.job(ids[0]).state == "consumed"
     led.checkpoint_done(1)  # covers step 1 only
     assert [m.job(i).state for i in ids] == ["kept" if keep else "released"] * 2 + ["consumed", "written"]
@@ -228,7 +228,7 @@ def test_a_replay_ledger_never_writes_the_manifest(live):
     m, store = live
     ids = publish_all(m, store, limit=2)
     led = Ledger(m, store, live=False, rank=0, keep_shards=False)
-    led.record(1, [[ids[0], 0, 10, 0, 5.0]])
+    led.record(1, [Consumed(ids[0], 0, 10, 0, 5.0)])
     led.checkpoint_done(1)
     assert not led.holds_unreleased(1) and m.job(ids[0]).state == "written"
 
@@ -318,3 +318,48 @@ def test_plot_draws_the_curves_and_refuses_a_run_without_metrics(tmp_path):
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, out = cli("plot", tmp_path / "nope")
     assert code == 1 and out.startswith("error: ") and "metrics.jsonl" in out
+
+
+def test_ranks_wait_together_and_release_before_waiting(live):
+    """DDP: a rank that is ready (its source says nothing more is coming) does not draw while another
+    rank still waits; every rank checkpoints and releases before waiting, and a rank's error stops all."""
+    from types import SimpleNamespace
+
+    from dflash_staged.train.draw import gather_step
+    from dflash_staged.train.sources import DrainError
+    m, store = live
+
+    class TwoRanks:  # this rank's collectives, with the other rank's answers scripted
+        enabled, rank, world = True, 0, 2
+
+        def __init__(self, other_not_ready: int, other_error: str | None = None):
+            self.polls, self.other_not_ready, self.other_error = 0, other_not_ready, other_error
+
+        def fill(self, _buffer) -> None:  # each poll starts with a fill, then asks whether all are ready
+            self.polls += 1
+            self.other_not_ready -= 1
+
+        def any(self, flag: bool) -> bool:  # "is any rank not ready?" right after a fill; else "stop?"
+            asks_ready, self.last_polls = self.polls != getattr(self, "last_polls", 0), self.polls
+            return flag or (asks_ready and self.other_not_ready >= 0)
+
+        def gather_obj(self, obj):
+            return [obj, (DrainError, self.other_error) if self.other_error else None]
+
+    released = []
+    dist = TwoRanks(other_not_ready=3)
+    t = SimpleNamespace(buffer=ShardBuffer(store, capacity=4), dist=dist, step=5,
+                        draw_gen=torch.Generator().manual_seed(0),
+                        cfg=SimpleNamespace(train=TrainConfig(grad_accum=2, min_ready=2, buffer_capacity=4)),
+                        source=SimpleNamespace(finished=lambda: True, fill=lambda b: t.dist.fill(b),
+                                               check_progress_possible=lambda: None, forced_step=lambda step: [],
+                                               live=True),
+                        ledger=SimpleNamespace(holds_unreleased=lambda step: not released),
+                        checkpoint_and_release=lambda: released.append(t.step),
+                        progress=SimpleNamespace(waiting=lambda *a, **k: None))
+    data = gather_step(t, stop=False)
+    assert dist.polls == 4 and data is not None and data.shards == []  # drew only once the other was ready
+    assert released == [5]  # released once, before the first wait
+    t.dist = TwoRanks(other_not_ready=10, other_error="2 job(s) are still pending")
+    with pytest.raises(DrainError, match="still pending"):
+        gather_step(t, stop=False)  # the other rank's error stops this one too, instead of a hang

@@ -30,6 +30,9 @@ class ExtractOptions:
     train_ranks: int = 1
     stay_while_training: bool = True
     tp: int = 1  # devices per worker: a tensor-parallel group (dflash_staged.extract.group)
+    trainer_coming: bool = False  # a launcher starts a trainer beside it (--trainer-coming)
+    trainer_deadline: float = 0.0  # until then, wait for a trainer to register (extract.worker.should_stay)
+    trainer_seen: bool = False  # this process saw a live trainer (extract.worker.should_stay)
 
     @property
     def groups(self) -> list[list[str]]:
@@ -60,12 +63,14 @@ def parse_devices(devices: str) -> list[str]:
 
 
 def options_from(manifest: str | Path, store: Path, devices: str, cfg: ExtractConfig, *, window=None, window_bytes=None,
-                 allow_slow_kernels=False, dtype=None, train_ranks=1, lease_s=None, tp=1) -> ExtractOptions:
+                 allow_slow_kernels=False, dtype=None, train_ranks=1, lease_s=None, tp=1,
+                 trainer_coming=False) -> ExtractOptions:
     """Command-line values over the manifest's ``[extract]`` snapshot."""
     opts = ExtractOptions(manifest=manifest, store=store, devices=parse_devices(devices),
                           window=window if window is not None else cfg.window,
                           window_bytes=window_bytes if window_bytes is not None else cfg.window_bytes,
                           lease_s=lease_s if lease_s is not None else cfg.lease_s, max_attempts=cfg.max_attempts,
-                          allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks, tp=tp)
+                          allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks, tp=tp,
+                          trainer_coming=trainer_coming)
     split_groups(opts.devices, tp)  # refuse a device count --tp does not divide, before anything starts
     return opts

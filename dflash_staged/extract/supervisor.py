@@ -13,7 +13,8 @@ when ranks exit with an error, the others get :data:`GROUP_GRACE_S` to exit and 
 own first. A group whose process was killed by a signal is started again, up to
 :data:`GROUP_RESTARTS` times; its job goes back to pending like any dead worker's. With a live
 trainer, extract stays (idle) once everything is extracted, so it can re-extract shards that
-fail verification.
+fail verification; a trainer started beside it gets a while to register first (the stay rule,
+:func:`~dflash_staged.extract.worker.should_stay`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import click
 from dflash_staged.manifest.window import window_check
 from dflash_staged.errors import DflashError
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, ExtractOptions
-from dflash_staged.extract.worker import POLL_S, should_stay, worker_main
+from dflash_staged.extract.worker import POLL_S, TRAINER_COMING_S, TRAINER_GRACE_S, should_stay, worker_main
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 
@@ -70,12 +71,33 @@ class _Worker:
             p.join()
 
 
+def shard_bytes_max(m: Manifest, opts: ExtractOptions) -> int:
+    """The largest shard this plan can produce: its longest job's real tokens x bytes per token (as
+    recorded by a worker, else from the target's config, the tapped layers and the shards' dtype)."""
+    bpt = int(m.meta.get("bytes_per_token") or 0)
+    if not bpt:
+        from dflash_staged.dtypes import resolve_dtype
+        from dflash_staged.model.dims import target_dims
+        from dflash_staged.model.target import resolve_layer_ids
+        from dflash_staged.store import bytes_per_token
+        cfg = m.config
+        dims = target_dims(cfg.target)
+        layers = m.meta.get("layer_ids") or resolve_layer_ids(cfg.target, dims.num_layers,
+                                                              cfg.drafter.num_hidden_layers)
+        dtype = resolve_dtype(opts.dtype or cfg.target.dtype, opts.devices[0])
+        bpt = bytes_per_token(len(layers), dims.hidden_size, dtype.itemsize)
+    return max((j.real_tokens for j in m.jobs()), default=0) * bpt
+
+
 def run_extract(opts: ExtractOptions) -> int:
     """Start one worker per device (or per group of ``--tp`` devices), supervise them, show progress;
     return the exit code."""
+    opts.trainer_deadline = time.time() + (TRAINER_COMING_S if opts.trainer_coming else TRAINER_GRACE_S)
     m = Manifest.open(opts.manifest)
     groups = opts.groups
-    err, warn = window_check(m.config, opts.window, len(groups), opts.train_ranks)
+    largest = shard_bytes_max(m, opts) if opts.window_bytes else 0
+    err, warn = window_check(m.config, opts.window, len(groups), opts.train_ranks,
+                             window_bytes=opts.window_bytes, shard_bytes_max=largest)
     if err:
         raise DflashError(err)
     if warn:
@@ -86,13 +108,14 @@ def run_extract(opts: ExtractOptions) -> int:
         check_tp(target_text_config(m.config.target), opts.tp, f"target.model={m.config.target.model!r}")
     if m.counts()["failed"]:
         click.echo(f"retrying {m.retry_failed()} failed job(s)", err=True)
-    if m.extract_done() and not should_stay(m, opts):  # with a live trainer: stay for re-extractions
+    if m.extract_done() and not _wait_for_trainer(m, opts):  # with a live trainer: stay for re-extractions
         g = m.progress()["jobs"]
         click.echo(f"extract: nothing to do, every job of {m.meta['epochs']} epoch(s) is extracted "
                    f"({g['extracted'] - g['trained']} written, {g['trained']} consumed)")
         return 0
     _remove_dead_leftovers(opts, m)
-    m.set_meta("extract_window", {"shards": opts.window, "bytes": opts.window_bytes, "workers": len(groups)})
+    m.set_meta("extract_window", {"shards": opts.window, "bytes": opts.window_bytes, "workers": len(groups),
+                                  "shard_bytes_max": largest})
     proc_id = m.register("extract", info={"devices": opts.devices, "tp": opts.tp})
     ctx = mp.get_context("spawn")
     status_q = ctx.Queue()
@@ -132,6 +155,9 @@ def run_extract(opts: ExtractOptions) -> int:
     click.echo(f"extract: {'finished' if m.extract_done() else 'stopped'}: {c['written']} written, "
                f"{g['trained']} consumed, {c['pending']} pending, {c['failed']} failed "
                f"| window {win['shards']} shards, {win['bytes']:,} bytes")
+    if opts.trainer_coming and not opts.trainer_seen and not stopping["n"]:
+        click.echo(f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
+                   "although the launcher started one; check its output", err=True)
     if any(w.code == EXIT_DISK_FULL for w in workers):
         return EXIT_DISK_FULL
     if c["failed"]:
@@ -141,6 +167,27 @@ def run_extract(opts: ExtractOptions) -> int:
     if not m.extract_done():
         return EXIT_ERROR
     return 0
+
+
+def _wait_for_trainer(m: Manifest, opts: ExtractOptions) -> bool:
+    """Every job is extracted: whether to stay (:func:`should_stay`), first waiting until the stay
+    rule's deadline for a trainer that was started beside extract but has not registered yet."""
+    said = False
+    try:
+        while should_stay(m, opts) and not opts.trainer_seen:
+            if not said:
+                left = opts.trainer_deadline - time.time()
+                click.echo(f"extract: every job is extracted; waiting up to {left:.0f} s for a trainer to "
+                           "register (it may send damaged shards back for re-extraction)", err=True)
+                said = True
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        click.echo("extract: interrupted while waiting for a trainer", err=True)
+        sys.exit(130)
+    if said and not opts.trainer_seen and opts.trainer_coming:
+        click.echo(f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
+                   "although the launcher started one; leaving (check the trainer's output)", err=True)
+    return opts.trainer_seen
 
 
 def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, status_q, tmp) -> None:
@@ -201,6 +248,8 @@ def _watch(m: Manifest, opts: ExtractOptions, workers: list[_Worker], messages: 
         for w in workers:
             if w.code is None:
                 _check_worker(m, opts, w, stopping, ctx, status_q, tmp)
+        if opts.trainer_coming and not opts.trainer_seen:  # for the end's note: did the trainer ever come?
+            opts.trainer_seen = bool(m.live_procs("train"))
         c, prog, win = m.counts(), m.progress(), m.window()
         done = total - prog["jobs"]["to_extract"] - c["failed"]
         rate = (prog["tokens"]["extracted"] - tokens0) / max(1e-9, time.time() - t0)
@@ -221,9 +270,11 @@ def _watch(m: Manifest, opts: ExtractOptions, workers: list[_Worker], messages: 
 
 def _remove_dead_leftovers(opts: ExtractOptions, m: Manifest) -> None:
     """Remove the temporary shards of dead writers (a worker killed mid-write leaves one behind; on a
-    shared store, those of other hosts' writers whose claims were lost)."""
+    shared store, those of other hosts' writers whose claims were lost), and shards renamed in after
+    their jobs were released or sent back."""
     if ShardStore.exists(opts.store):
-        ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id}).cleanup_temp(claimed=m.holds_claim)
+        store = ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})
+        store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
 
 
 def _drain_status(q, messages: list[str]) -> None:

@@ -168,15 +168,24 @@ def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardS
     return store
 
 
+TRAINER_GRACE_S = 10.0  # how long after its start extract waits for a trainer started beside it to register
+TRAINER_COMING_S = 300.0  # the same, when a launcher said a trainer is coming (--trainer-coming)
+
+
 def should_stay(m: Manifest, opts: ExtractOptions) -> bool:
     """Nothing to claim now. Stay (idle) while a live trainer may still send jobs back for
-    re-extraction (a shard failing verification); leave once no trainer is running."""
+    re-extraction (a shard failing verification); leave once no trainer is running. Until
+    ``opts.trainer_deadline`` (extract's start + :data:`TRAINER_GRACE_S`, or :data:`TRAINER_COMING_S`
+    with ``--trainer-coming``), a trainer this process has not seen yet may still be starting: stay."""
     if not opts.stay_while_training:
         return False
     c = m.counts()
     if c["written"] == 0 and c["consumed"] == 0:
         return False
-    return bool(m.live_procs("train"))
+    if m.live_procs("train"):
+        opts.trainer_seen = True
+        return True
+    return not opts.trainer_seen and time.time() < opts.trainer_deadline
 
 
 def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: ExtractOptions, rank: int, status_q,

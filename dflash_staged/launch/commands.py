@@ -12,6 +12,7 @@ import click
 
 from dflash_staged.errors import user_errors
 from dflash_staged.launch.layout import DEFAULT_TARGET_TOK_S, node_layout, pipeline_layout
+from dflash_staged.sizes import ByteSize
 
 
 def _common(fn):
@@ -28,7 +29,8 @@ def _common(fn):
         click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
         click.option("--window", type=click.IntRange(min=1), default=None,
                      help="Shards claimed/written/consumed but not released [default: extract.window]."),
-        click.option("--window-bytes", default=None, help="Byte cap of the window, e.g. 200G."),
+        click.option("--window-bytes", type=ByteSize(zero="no limit"), default=None,
+                     help="Byte cap of the window, e.g. 200G; 0 = no limit [default: extract.window_bytes]."),
         click.option("--keep-shards", is_flag=True, help="Keep consumed shards for later `train --replay`."),
         click.option("--allow-slow-kernels", is_flag=True, help="Hybrid target on CUDA without fla/causal-conv1d."),
         click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
@@ -95,7 +97,8 @@ def pipeline(config, data, workdir, manifest, epochs, seed, window, window_bytes
 @click.option("--target-tok-s", type=float, default=None,
               help="Assumed extract tokens/s per extract worker (one GPU, or one group of --tp GPUs), for the "
                    "disk bandwidth it prints [default: 8000, an 8B dense target in bf16 on an H100-class GPU].")
-@click.option("--hidden-size", type=int, default=None, help="Target hidden size, when it cannot be read offline.")
+@click.option("--hidden-size", type=click.IntRange(min=1), default=None,
+              help="Target hidden size, when it cannot be read offline.")
 @user_errors
 def node(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels, tp,
          status_every, summary_json, dry_run, train_args, extract_gpus, train_gpus, target_tok_s, hidden_size):

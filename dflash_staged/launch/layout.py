@@ -9,8 +9,8 @@ Node layout: GPU ids are indices into the launcher's ``CUDA_VISIBLE_DEVICES`` wh
 else the ids ``nvidia-smi`` shows; a list may use ranges (``0-3,6,7``). Extract sees only its GPUs
 (``CUDA_VISIBLE_DEVICES``) and runs one worker per GPU (``--devices cuda:0,...,cuda:n-1``), or with
 ``--tp N`` one tensor-parallel worker per N consecutive GPUs; train sees only its GPUs and runs
-under torchrun (``python -m torch.distributed.run --standalone --nproc-per-node G``) when
-G > 1, with ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` raised so a clean stop has time to checkpoint.
+as G torchrun ranks (``dflash train --nproc G``) when G > 1, with ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
+raised so a clean stop has time to checkpoint.
 
 The disk arithmetic printed for a node layout is :mod:`dflash_staged.launch.disk`.
 """
@@ -86,14 +86,15 @@ def plan_cmd_if_needed(config: Path, data: Path, manifest: Path | str, epochs: i
 
 def _extract_args(manifest: Path, store: Path, devices: str, window, window_bytes, allow_slow: bool,
                   train_ranks: int = 1, tp: int = 1) -> list[str]:
-    args = dflash_cmd("extract", "--manifest", manifest, "--store", store, "--devices", devices)
+    args = dflash_cmd("extract", "--manifest", manifest, "--store", store, "--devices", devices,
+                      "--trainer-coming")  # started beside it: extract waits for it to register
     if tp > 1:
         args += ["--tp", str(tp)]
     if train_ranks > 1:
         args += ["--train-ranks", str(train_ranks)]
     if window is not None:
         args += ["--window", str(window)]
-    if window_bytes:
+    if window_bytes is not None:  # 0 = no limit, over the config's
         args += ["--window-bytes", str(window_bytes)]
     if allow_slow:
         args.append("--allow-slow-kernels")
@@ -180,11 +181,7 @@ def node_layout(config: Path, data: Path, workdir: Path, *, extract_gpus: str, t
     devices = ",".join(f"cuda:{i}" for i in range(len(ex)))
     g = len(tr)
     train = _train_args(m, s, r, keep_shards, tuple(train_args))
-    if g > 1:
-        train_cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={g}", "-m",
-                     "dflash_staged", *train]
-    else:
-        train_cmd = [PY, "-m", "dflash_staged", *train]
+    train_cmd = [PY, "-m", "dflash_staged", *train] + (["--nproc", str(g)] if g > 1 else [])  # torchrun ranks
     layout = Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
                     Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g, tp),
                          {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(ex)}),

@@ -245,6 +245,15 @@ class Manifest(abc.ABC):
             return False
         return j.state == "claimed" and j.host == host and j.pid == pid
 
+    def shard_unwanted(self, job_id: int) -> bool:
+        """Whether no shard of job ``job_id`` should be on disk: it is released, pending or failed (a
+        late rename after its job was released or requeued left one; a claimed job's old shard is
+        replaced when it publishes). False for an unknown job."""
+        try:
+            return self.job(job_id).state in ("released", "pending", "failed")
+        except NoSuchJobError:
+            return False
+
     @abc.abstractmethod
     def failed_errors(self) -> list[tuple[Job, str]]:
         """Failed jobs with their last error text."""
@@ -288,12 +297,16 @@ class Manifest(abc.ABC):
 
     @abc.abstractmethod
     def retake(self, trainer: str, rank: int, job_ids: Iterable[int]) -> list[Job]:
-        """Mark these written jobs taken by (trainer, rank) again (a checkpoint's buffer, on resume);
-        returns those that are, in the given order."""
+        """Mark these jobs taken by (trainer, rank) again (a checkpoint's buffer, on resume): only
+        those written and untaken, or taken by this (trainer, rank) already, never one that another
+        rank took meanwhile; returns those, in the given order."""
 
     @abc.abstractmethod
     def consume(self, job_ids: Iterable[int], step: int, rank_of: dict[int, int] | None = None) -> None:
-        """Optimizer step ``step`` completed using these shards: written -> consumed."""
+        """Optimizer step ``step`` completed using these shards: written -> consumed, all or nothing.
+        ``rank_of`` (job id -> the rank that trained it) is recorded. ManifestError, naming the jobs
+        and their states, and nothing changes, if a job is listed twice, is not ``written``, or is
+        taken by another rank than ``rank_of`` names (a job taken by no one is accepted)."""
 
     @abc.abstractmethod
     def release(self, job_ids: Iterable[int], keep: bool = False) -> None:
@@ -319,6 +332,12 @@ class Manifest(abc.ABC):
     def unregister(self, proc_id: str) -> None: ...
 
     @abc.abstractmethod
+    def check_fence(self) -> None:
+        """ManifestError if this handle's exclusive (trainer) registration was replaced by another
+        trainer's (it lapsed); a no-op for a handle that holds none. Run it before an irreversible
+        act outside the manifest (writing a checkpoint, deleting shards)."""
+
+    @abc.abstractmethod
     def live_procs(self, role: str | None = None) -> list[Proc]: ...
 
     def unregister_me(self, role: str) -> None:
@@ -335,6 +354,29 @@ class Manifest(abc.ABC):
 
     @abc.abstractmethod
     def log_event(self, kind: str, detail: str = "", job: int | None = None) -> None: ...
+
+
+def consume_ids(job_ids: Iterable[int]) -> list[int]:
+    """The ids of a :meth:`Manifest.consume`; ManifestError if one is listed twice."""
+    ids = [int(i) for i in job_ids]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise ManifestError(f"cannot consume jobs {twice}: each is listed more than once (two ranks "
+                            "trained the same shard?); nothing was consumed")
+    return ids
+
+
+def consume_refused(step: int, ids: list[int], jobs: dict[int, Job], rank_of: dict | None) -> ManifestError:
+    """The error of a :meth:`Manifest.consume` refused for jobs ``ids`` (``jobs``: their rows)."""
+    def why(i: int) -> str:
+        j = jobs.get(i)
+        if j is None:
+            return f"job {i} does not exist"
+        taken = f", taken by {j.taken_by!r} rank {j.rank}" if j.taken_by is not None else ""
+        told = f" (consumed as rank {rank_of[i]}'s)" if rank_of and rank_of.get(i) is not None else ""
+        return f"job {i} is {j.state}{taken}{told}"
+    return ManifestError(f"step {step} cannot consume: {'; '.join(why(i) for i in ids)}; only written jobs "
+                         "(taken by the rank that trained them) can be consumed; nothing was consumed")
 
 
 __all__ = ["Manifest", "STATES"]

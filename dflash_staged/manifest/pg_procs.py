@@ -8,7 +8,11 @@ and, seen from another host, while its heartbeat is younger than the lease. ``re
 advisory lock, drops dead registrations of its role, and with ``exclusive`` refuses a live one of
 another group (one trainer, whose ranks share a group). An extractor's registration dropped while
 its host was cut off is written again by its next heartbeat; an exclusive one is not: that trainer
-was replaced, and :meth:`Registry.check_fence` (run in each of its transactions) stops it.
+was replaced, and :meth:`Registry.check_fence` (run in each of its transactions) stops it. That check
+locks the registration row (``FOR KEY SHARE``) until its transaction ends, so a new trainer's
+``register``, which deletes the lapsed registration, waits for any transaction the old trainer has
+open, and then reconciles with everything it committed; a heartbeat (no key column changes) does
+not wait. :func:`reclaim_dead_here` returns the claims of this host's dead processes to pending.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import threading
 from typing import Callable
 
 from dflash_staged.manifest.pg_conn import PgAddress, Session
-from dflash_staged.manifest.pg_schema import LOCK_NS, NOW
+from dflash_staged.manifest.pg_schema import FREE_CLAIM, LOCK_NS, NOW
 from dflash_staged.manifest.states import ManifestError, Proc, TrainerBusyError
 from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
 
@@ -31,6 +35,20 @@ def alive(p: dict, now: float, lease: float) -> bool:
     if p["host"] == my_identity()[0]:
         return pid_alive(p["host"], p["pid"], p["pid_start"], p["boot_id"])
     return p["heartbeat"] is not None and p["heartbeat"] >= now - lease
+
+
+def reclaim_dead_here(cur) -> int:
+    """Claims of this host's processes that are gone, back to pending (statements of their own)."""
+    host = my_identity()[0]
+    dead = [(r["id"], r["pid"]) for r in cur.execute(
+        "SELECT id, pid, pid_start, boot_id FROM jobs WHERE state = 'claimed' AND host = %s",
+        (host,)).fetchall() if not pid_alive(host, r["pid"], r["pid_start"], r["boot_id"])]
+    return sum(cur.execute(f"WITH gone AS (UPDATE jobs SET state = 'pending', {FREE_CLAIM}, "
+                           f"updated = {NOW} WHERE id = %s AND state = 'claimed' AND host = %s AND pid = %s "
+                           "RETURNING id) INSERT INTO events (t, job, kind, detail) "
+                           f"SELECT {NOW}, id, 'reclaim', %s FROM gone",
+                           (job_id, host, pid, f"worker pid {pid} is gone")).rowcount
+               for job_id, pid in dead)
 
 
 class Registry:
@@ -86,7 +104,9 @@ class Registry:
                      heartbeat=p["heartbeat"]) for p in rows if alive(p, p["now"], lease)]
 
     def check_fence(self, cur) -> None:
-        if cur.execute("SELECT 1 AS ok FROM procs WHERE id = %s", (self.fence,)).fetchone() is None:
+        """ManifestError unless this handle's exclusive registration is there; locks it (module docstring)."""
+        row = cur.execute("SELECT 1 AS ok FROM procs WHERE id = %s FOR KEY SHARE", (self.fence,)).fetchone()
+        if row is None:
             raise ManifestError(f"this trainer's registration on {self.addr.display} lapsed (no heartbeat for longer "
                                 "than the lease, e.g. cut off from the server) and another trainer replaced it: "
                                 "stopping without consuming more; rerun it to resume from its last checkpoint")

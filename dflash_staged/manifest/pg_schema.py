@@ -35,6 +35,8 @@ from dflash_staged.manifest.build import job_rows, plan_meta
 from dflash_staged.manifest.states import ManifestError
 
 NOW = "extract(epoch from clock_timestamp())::float8"
+# A job's claim columns, cleared (UPDATE jobs SET ... of a job leaving ``claimed``).
+FREE_CLAIM = "worker=NULL, host=NULL, boot_id=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
 LOCK_NS = 0x64666C61  # 'dfla': the first key of this package's advisory locks
 CHUNK = 1 << 22  # elements per row of the samples table (16 MiB of tokens)
 ARRAYS = {"tokens": np.dtype("<i4"), "loss_mask": np.dtype("u1"), "offsets": np.dtype("<i8")}

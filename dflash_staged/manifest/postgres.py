@@ -20,19 +20,24 @@ same ``status --json`` as the SQLite backend; what differs is how hosts share it
   once only by a process on the same host (same host name; another boot id proves it gone). A
   registered process heartbeats from a thread every lease / 4 and counts as alive, seen from
   another host, while its heartbeat is younger than the lease (``extract.lease_s`` of the plan).
-- **publish** checks the claim (state, worker, attempt) with the row locked, runs the commit
+- **publish** checks the claim (state, worker, attempt and the claiming process: host, boot id,
+  pid, start time; a worker id repeats across hosts, and an attempt count that ``claim_next``'s
+  unflushed commit lost in a server crash repeats too) with the row locked, runs the commit
   callback (the shard's rename) and marks the job written, in one transaction. A late publish is
   refused (event ``refused``) and the worker deletes its shard. Retried after a lost connection,
   it reports success if its first try had committed (the job is written with this attempt's
   checksum) and otherwise finishes without renaming twice. claim and take record a token in the
   rows they change, so a retry finds what a first try that did commit took.
 - **A trainer's fence.** A trainer that registered (exclusively) checks its registration in each
-  of its transactions; once another trainer has replaced it (it was cut off past its lease), it
-  stops instead of consuming.
+  of its transactions (:meth:`~.pg_procs.Registry.check_fence`, which also keeps another trainer's
+  registration waiting until that transaction ends); once another trainer has replaced it (it was
+  cut off past its lease), it stops instead of consuming.
 
 A rename on a shared filesystem cannot be fenced: a worker stalled between its ownership check and
 the rename for longer than ``idle_in_transaction_session_timeout`` could still rename over a newer
-shard of its job. The checksum the manifest recorded catches that on read, and the job is re-extracted.
+shard of its job. The checksum the manifest recorded catches that on read, and the job is re-extracted;
+a shard renamed after its job was released or requeued is removed by the store's cleanup
+(:meth:`Manifest.shard_unwanted`).
 """
 
 from __future__ import annotations
@@ -43,16 +48,18 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from dflash_staged.manifest.base import Manifest, register_backend
+from dflash_staged.manifest.base import Manifest, consume_ids, consume_refused, register_backend
 from dflash_staged.manifest.pg_conn import PgAddress, Session, driver
-from dflash_staged.manifest.pg_procs import Registry
+from dflash_staged.manifest.pg_procs import Registry, reclaim_dead_here
+from dflash_staged.manifest.pg_schema import FREE_CLAIM as _FREE
 from dflash_staged.manifest.pg_schema import NOW, SampleReader, create_tables, schema_kind
 from dflash_staged.manifest.states import (EXTRACTED, IN_WINDOW, ClaimResult, Job, ManifestError, NoSuchJobError,
                                            Proc, check_format_version, plan_identity)
-from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
+from dflash_staged.procs import BOOT_ID, my_identity
 
-_FREE = "worker=NULL, host=NULL, boot_id=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
 _IN = lambda states: "(" + ",".join(f"'{s}'" for s in states) + ")"  # noqa: E731
+_MINE = "worker = %s AND attempts = %s AND host = %s AND boot_id = %s AND pid = %s AND pid_start = %s"
+_mine = lambda job: (job.worker, job.attempts, job.host, job.boot_id, job.pid, job.pid_start)  # noqa: E731
 
 
 @register_backend
@@ -223,7 +230,7 @@ class PostgresManifest(Manifest):
     # ------------------------------------------------------------------ extract side
     def reclaim_stale(self) -> int:
         def body(cur, _):
-            n = self._reclaim_dead_here(cur)
+            n = reclaim_dead_here(cur)
             return n + cur.execute(
                 f"WITH gone AS (UPDATE jobs SET state = 'pending', {_FREE}, updated = {NOW} WHERE id IN (SELECT id FROM "
                 f"jobs WHERE state = 'claimed' AND lease_until < {NOW} FOR UPDATE SKIP LOCKED) RETURNING id) "
@@ -239,7 +246,7 @@ class PostgresManifest(Manifest):
                 r = _one(cur, "SELECT * FROM jobs WHERE op_token = %s AND state = 'claimed'", (token,))
                 if r is not None:
                     return ClaimResult(Job.from_row(r), window=self._window(cur))
-            self._reclaim_dead_here(cur)
+            reclaim_dead_here(cur)
             r = _one(cur, "SELECT * FROM claim_next(hashtext(%s), %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                      (self.addr.name + ":window", self.CLAIM_LOCK == "advisory", window, window_bytes or 0, worker,
                       host, BOOT_ID, pid, start, float(lease_s), token))
@@ -249,28 +256,17 @@ class PostgresManifest(Manifest):
             return ClaimResult(Job.from_row(r["job"]), window=w)
         return self._s.run(body, tx=False)  # statements of their own: no lock outlives a round trip
 
-    def _reclaim_dead_here(self, cur) -> int:
-        """Claims of this host's processes that are gone, back to pending (a statement of its own)."""
-        host = my_identity()[0]
-        dead = [(r["id"], r["pid"]) for r in cur.execute(
-            "SELECT id, pid, pid_start, boot_id FROM jobs WHERE state = 'claimed' AND host = %s", (host,)).fetchall()
-            if not pid_alive(host, r["pid"], r["pid_start"], r["boot_id"])]
-        return sum(cur.execute(f"WITH gone AS (UPDATE jobs SET state = 'pending', {_FREE}, updated = {NOW} WHERE id = %s "
-                               "AND state = 'claimed' AND host = %s AND pid = %s RETURNING id) INSERT INTO events (t, "
-                               f"job, kind, detail) SELECT {NOW}, id, 'reclaim', %s FROM gone",
-                               (job_id, host, pid, f"worker pid {pid} is gone")).rowcount for job_id, pid in dead)
-
     @staticmethod
     def _owned(cur, job: Job) -> bool:
-        r = _one(cur, "SELECT state, worker, attempts FROM jobs WHERE id = %s FOR UPDATE", (job.id,))
-        return r is not None and r["state"] == "claimed" and r["worker"] == job.worker and r["attempts"] == job.attempts
+        return _one(cur, f"SELECT 1 AS ok FROM jobs WHERE id = %s AND state = 'claimed' AND {_MINE} "
+                         "FOR UPDATE", (job.id, *_mine(job))) is not None
 
     def extend_lease(self, job: Job, lease_s: float) -> bool:
         def body(cur, _):  # not worth an fsync: an extension lost in a server crash only shortens the lease
             cur.execute("SET LOCAL synchronous_commit TO off")
-            return cur.execute(f"UPDATE jobs SET lease_until = {NOW} + %s WHERE id = %s AND state = 'claimed' AND "
-                               "worker = %s AND attempts = %s", (float(lease_s), job.id, job.worker,
-                                                                 job.attempts)).rowcount == 1
+            return cur.execute(f"UPDATE jobs SET lease_until = {NOW} + %s WHERE id = %s AND "
+                               f"state = 'claimed' AND {_MINE}",
+                               (float(lease_s), job.id, *_mine(job))).rowcount == 1
         return self._run(body)
 
     def publish(self, job: Job, nbytes: int, checksum: str, commit=None) -> bool:
@@ -279,9 +275,9 @@ class PostgresManifest(Manifest):
         def body(cur, again):
             nonlocal renamed
             if not self._owned(cur, job):
-                r = _one(cur, "SELECT state, worker, attempts, checksum FROM jobs WHERE id = %s", (job.id,))
-                if again and r and r["state"] in EXTRACTED and (r["worker"], r["attempts"], r["checksum"]) == \
-                        (job.worker, job.attempts, checksum):
+                r = _one(cur, f"SELECT state, checksum FROM jobs WHERE id = %s AND {_MINE}",
+                         (job.id, *_mine(job)))
+                if again and r and r["state"] in EXTRACTED and r["checksum"] == checksum:
                     return True  # a first try that committed before the connection broke
                 self._event(cur, job.id, "refused", f"late publish by {job.worker} (attempt {job.attempts}): "
                                                     "the claim was lost")
@@ -343,17 +339,29 @@ class PostgresManifest(Manifest):
     def retake(self, trainer: str, rank: int, job_ids: Iterable[int]) -> list[Job]:
         ids = [int(i) for i in job_ids]
         got = {r["id"]: Job.from_row(r) for r in self._run(lambda cur, _: cur.execute(
-            "UPDATE jobs SET taken_by = %s, rank = %s WHERE id = ANY(%s) AND state = 'written' RETURNING *",
-            (trainer, rank, ids)).fetchall(), fenced=True)}
+            "UPDATE jobs SET taken_by = %s, rank = %s WHERE id = ANY(%s) AND state = 'written' AND "
+            "(taken_by IS NULL OR (taken_by = %s AND rank = %s)) RETURNING *",
+            (trainer, rank, ids, trainer, rank)).fetchall(), fenced=True)}
         return [got[i] for i in ids if i in got]
 
     def consume(self, job_ids: Iterable[int], step: int, rank_of: dict[int, int] | None = None) -> None:
-        ids = [int(i) for i in job_ids]
+        ids = consume_ids(job_ids)
         ranks = [(rank_of or {}).get(i) for i in ids]
-        self._run(lambda cur, _: cur.execute(
-            f"UPDATE jobs AS j SET state = 'consumed', step = %s, rank = COALESCE(v.r, j.rank), updated = {NOW} "
-            "FROM unnest(%s::bigint[], %s::integer[]) AS v(id, r) WHERE j.id = v.id AND j.state = 'written'",
-            (step, ids, ranks)), fenced=True)
+
+        def body(cur, again):
+            if again and len(ids) == _one(cur, "SELECT COUNT(*) AS n FROM jobs WHERE id = ANY(%s) AND "
+                                               "state = 'consumed' AND step = %s", (ids, step))["n"]:
+                return  # the first try committed
+            done = {r["id"] for r in cur.execute(
+                "UPDATE jobs AS j SET state = 'consumed', step = %s, rank = COALESCE(v.r, j.rank), "
+                f"updated = {NOW} FROM unnest(%s::bigint[], %s::integer[]) AS v(id, r) WHERE j.id = v.id "
+                "AND j.state = 'written' AND (j.taken_by IS NULL OR v.r IS NULL OR j.rank = v.r) "
+                "RETURNING j.id", (step, ids, ranks))}
+            if len(done) != len(ids):  # all or nothing: the exception rolls the transaction back
+                bad = [i for i in ids if i not in done]
+                rows = cur.execute("SELECT * FROM jobs WHERE id = ANY(%s)", (bad,)).fetchall()
+                raise consume_refused(step, bad, {r["id"]: Job.from_row(r) for r in rows}, rank_of)
+        self._run(body, fenced=True)
 
     def release(self, job_ids: Iterable[int], keep: bool = False) -> None:
         self._run(lambda cur, _: cur.execute(
@@ -391,6 +399,10 @@ class PostgresManifest(Manifest):
 
     def unregister(self, proc_id: str) -> None:
         self._procs.unregister(proc_id)
+
+    def check_fence(self) -> None:
+        if self._procs.fence:
+            self._run(lambda cur, _: None, fenced=True)
 
     def live_procs(self, role: str | None = None) -> list[Proc]:
         return self._procs.live(role)

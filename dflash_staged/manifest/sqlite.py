@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from dflash_staged.manifest.base import Manifest, register_backend
+from dflash_staged.manifest.base import Manifest, consume_ids, consume_refused, register_backend
 from dflash_staged.manifest.build import ONE_HOST, check_local_fs, write_manifest_dir
 from dflash_staged.manifest.states import (IN_WINDOW, ClaimResult, Job, ManifestError, NoSuchJobError, Proc,
                                            TrainerBusyError, check_format_version)
@@ -236,9 +236,12 @@ class SqliteManifest(Manifest):
 
     @staticmethod
     def _owned(c: sqlite3.Connection, job: Job) -> bool:
-        r = c.execute("SELECT state, worker, attempts FROM jobs WHERE id=?", (job.id,)).fetchone()
-        return r is not None and r["state"] == "claimed" and r["worker"] == job.worker \
-            and r["attempts"] == job.attempts
+        """Whether ``job`` (as claimed) still holds its claim: the same attempt by the same worker of the
+        same process (host, pid, start time: a worker id repeats on other hosts)."""
+        r = c.execute("SELECT state, worker, attempts, host, pid, pid_start FROM jobs WHERE id=?",
+                      (job.id,)).fetchone()
+        return r is not None and \
+            tuple(r) == ("claimed", job.worker, job.attempts, job.host, job.pid, job.pid_start)
 
     def extend_lease(self, job: Job, lease_s: float) -> bool:
         with self._tx() as c:
@@ -298,17 +301,22 @@ class SqliteManifest(Manifest):
     def retake(self, trainer: str, rank: int, job_ids: Iterable[int]) -> list[Job]:
         ids = [int(i) for i in job_ids]
         with self._tx() as c:
-            c.executemany("UPDATE jobs SET taken_by=?, rank=? WHERE id=? AND state='written'",
+            c.executemany("UPDATE jobs SET taken_by=?1, rank=?2 WHERE id=?3 AND state='written' AND "
+                          "(taken_by IS NULL OR (taken_by=?1 AND rank=?2))",
                           [(trainer, rank, i) for i in ids])
             got = self._jobs_in_order(c, ids)
-        return [got[i] for i in ids if i in got and got[i].state == "written" and got[i].taken_by == trainer]
+        return [got[i] for i in ids if i in got and got[i].state == "written" and
+                (got[i].taken_by, got[i].rank) == (trainer, rank)]
 
     def consume(self, job_ids: Iterable[int], step: int, rank_of: dict[int, int] | None = None) -> None:
-        now = time.time()
+        ids, now = consume_ids(job_ids), time.time()
         with self._tx() as c:
-            for i in job_ids:
-                c.execute("UPDATE jobs SET state='consumed', step=?, rank=COALESCE(?, rank), updated=? "
-                          "WHERE id=? AND state='written'", (step, (rank_of or {}).get(i), now, i))
+            bad = [i for i in ids if c.execute(
+                "UPDATE jobs SET state='consumed', step=?1, rank=COALESCE(?2, rank), updated=?3 "
+                "WHERE id=?4 AND state='written' AND (taken_by IS NULL OR ?2 IS NULL OR rank=?2)",
+                (step, (rank_of or {}).get(i), now, i)).rowcount != 1]
+            if bad:  # all or nothing: the exception rolls the transaction back
+                raise consume_refused(step, bad, self._jobs_in_order(c, bad), rank_of)
 
     def release(self, job_ids: Iterable[int], keep: bool = False) -> None:
         with self._tx() as c:
@@ -361,6 +369,9 @@ class SqliteManifest(Manifest):
     def unregister(self, proc_id: str) -> None:
         with self._tx() as c:
             c.execute("DELETE FROM procs WHERE id=?", (proc_id,))
+
+    def check_fence(self) -> None:
+        """A no-op: one host, where a registered process that is alive is never replaced."""
 
     def live_procs(self, role: str | None = None) -> list[Proc]:
         q, args = "SELECT * FROM procs", ()

@@ -93,16 +93,20 @@ class Job:
     host: str | None = None
     pid: int | None = None
     lease_until: float | None = None
+    pid_start: int | None = None  # with host and pid: the claiming process (pids are reused)
+    boot_id: str | None = None  # the claiming host's boot (PostgreSQL only)
 
     @classmethod
     def from_row(cls, r: Mapping[str, Any]) -> "Job":
-        ids = r["sample_ids"]
+        ids, keys = r["sample_ids"], r.keys()
         return cls(id=r["id"], epoch=r["epoch"], pos=r["pos"], bucket=r["bucket"],
                    sample_ids=json.loads(ids) if isinstance(ids, str) else list(ids),
                    real_tokens=r["real_tokens"], padded_tokens=r["padded_tokens"], state=r["state"],
                    attempts=r["attempts"], worker=r["worker"], shard_bytes=r["shard_bytes"],
                    checksum=r["checksum"], step=r["step"], rank=r["rank"], taken_by=r["taken_by"],
-                   host=r["host"], pid=r["pid"], lease_until=r["lease_until"])
+                   host=r["host"], pid=r["pid"], lease_until=r["lease_until"],
+                   pid_start=r["pid_start"] if "pid_start" in keys else None,
+                   boot_id=r["boot_id"] if "boot_id" in keys else None)
 
 
 @dataclass

@@ -1,9 +1,22 @@
-"""The window's arithmetic: how many shards extract may hold against what the trainer needs.
+"""The window's rule: how many shards (and bytes) extract may hold against what the trainer needs.
 
 The window (:mod:`dflash_staged.manifest.states`) bounds the shards claimed, written or consumed
-but not released. Too small a window and the trainer waits forever for ``train.min_ready``
-shards per rank that extract may not write; too small for the trainer's buffer, the shards of
-one checkpoint interval and a few in flight per worker, and the target workers idle.
+but not released. Extract checks this rule before it starts and the trainer checks it again
+against the settings extract published (``extract_window`` in the manifest's metadata).
+
+**Refused** (it can deadlock): a window that cannot hold every rank's full buffer, in shards
+(``window < train.buffer_capacity x ranks``) or in bytes (``window_bytes < buffer_capacity x
+ranks x the largest shard``). Why that bound suffices: a trainer rank waits only while its
+buffer is not full (it waits for ``train.min_ready`` shards, or for a second length bucket when
+a step takes several jobs), and it never waits holding consumed, unreleased shards (it
+checkpoints and releases first). So while every rank waits, the window holds claims in flight
+and fewer than ``capacity x ranks`` written shards; claims always publish, so room for one more
+claim appears, and extraction goes on until some buffer fills or nothing is left to extract.
+Below that bound every shard in the window can be of one length bucket, or sit in one rank's
+buffer, and both sides wait forever.
+
+**Warned** (target workers may idle): below ``capacity x ranks + 3 x workers + the shards one
+checkpoint interval consumes``, the message says by how many shards.
 """
 
 from __future__ import annotations
@@ -11,19 +24,39 @@ from __future__ import annotations
 from dflash_staged.config import Config
 
 
-def window_check(cfg: Config, window: int, workers: int, ranks: int) -> tuple[str | None, str | None]:
-    """(error, warning) about window W against the trainer: N = min_ready, C = capacity."""
+def _size(n: float) -> str:
+    for unit in ("B", "K", "M", "G", "T"):
+        if n < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def window_check(cfg: Config, window: int, workers: int, ranks: int, *, window_bytes: int = 0,
+                 shard_bytes_max: int = 0) -> tuple[str | None, str | None]:
+    """(error, warning) about a window of ``window`` shards (and ``window_bytes`` bytes, 0 = no
+    byte limit; checked when the largest shard's bytes are known) against ``ranks`` trainer ranks."""
     t = cfg.train
-    n_need = t.min_ready * ranks
+    need = t.buffer_capacity * ranks
     per_ckpt = t.checkpoint_every * t.grad_accum * ranks
-    comfortable = t.buffer_capacity * ranks + 3 * workers + per_ckpt
-    if window < n_need:
-        return (f"window {window} < train.min_ready {t.min_ready} x {ranks} rank(s) = {n_need}: the trainer "
-                f"would wait forever for shards the extractor may not write. Raise --window to at least "
-                f"{n_need} (comfortable: {comfortable}), or lower train.min_ready"), None
+    comfortable = need + 3 * workers + per_ckpt
+    if window < need:
+        return (f"--window {window} < train.buffer_capacity {t.buffer_capacity} x {ranks} trainer rank(s) = "
+                f"{need}: when the window's shards are all of one length bucket the trainer waits for more "
+                f"while extract waits for room, forever. Raise --window to at least {need} (comfortable: "
+                f"{comfortable}), or lower train.buffer_capacity"), None
+    if window_bytes and shard_bytes_max:
+        need_b = need * shard_bytes_max
+        if window_bytes < need_b:
+            return (f"--window-bytes {_size(window_bytes)} < train.buffer_capacity {t.buffer_capacity} x "
+                    f"{ranks} trainer rank(s) x {_size(shard_bytes_max)} (the largest shard) = "
+                    f"{_size(need_b)}: extract would stop claiming before the trainer's buffers can fill, "
+                    f"and both would wait forever. Raise --window-bytes to at least {_size(need_b)}, lower "
+                    "train.buffer_capacity, or plan smaller jobs (data.token_budget)"), None
     if window < comfortable:
-        return None, (f"window {window} < buffer capacity {t.buffer_capacity} x {ranks} rank(s) + 3 x {workers} "
-                      f"worker(s) + {per_ckpt} shards consumed per checkpoint interval "
-                      f"({t.checkpoint_every} steps x {t.grad_accum} x {ranks}) = {comfortable}: target workers "
-                      "may idle while the trainer holds shards; raise --window to keep them busy")
+        return None, (f"window {window} is {comfortable - window} shard(s) short of buffer capacity "
+                      f"{t.buffer_capacity} x {ranks} rank(s) + 3 x {workers} worker(s) + {per_ckpt} "
+                      f"shards consumed per checkpoint interval ({t.checkpoint_every} steps x "
+                      f"{t.grad_accum} x {ranks}) = {comfortable}: target workers may idle while the "
+                      "trainer holds shards; raise --window to keep them busy")
     return None, None

@@ -44,7 +44,8 @@ the two steps separately, committing under the manifest's lock). Deletion rename
 ``.del~...`` first. The store itself is created in
 ``.{name}.tmp~...`` next to it and renamed into place. Leftovers of dead writers (pid not alive
 on this host) are removed by :meth:`ShardStore.cleanup_temp`, which ``create_or_open`` runs; on a
-store shared by several hosts, another host's leftovers go once the manifest shows its claim lost.
+store shared by several hosts, another host's leftovers go once the manifest shows its claim lost,
+and so does a shard renamed into place after its job was released or requeued (the manifest says which).
 
 Reading one shard with plain zarr and numpy::
 
@@ -382,10 +383,13 @@ class ShardStore:
         fsync_dir(d.parent)
         shutil.rmtree(gone, ignore_errors=True)
 
-    def cleanup_temp(self, stale_s: float = 86400.0, claimed=None) -> int:
+    def cleanup_temp(self, stale_s: float = 86400.0, claimed=None, unwanted=None) -> int:
         """Remove temp/deletion leftovers whose writer is dead (this host) or older than ``stale_s`` (other
         hosts). With ``claimed(job_id, host, pid)`` (whether that process still holds the job's claim: the
-        manifest knows), another host's deletion leftovers, and its staged shards whose claim it lost, go at once."""
+        manifest knows), another host's deletion leftovers, and its staged shards whose claim it lost, go at
+        once.
+        With ``unwanted(job_id)`` (whether no shard of that job should exist: the manifest knows), published
+        shards of such jobs are deleted (:meth:`delete_shard`); a count of all that went."""
         def orphan(kind: str, label: str, host: str, pid: int) -> bool:
             if claimed is None:
                 return False
@@ -402,4 +406,8 @@ class ShardStore:
                     else:
                         entry.unlink(missing_ok=True)
                     removed += 1
+        for epoch, job_id in list(self.iter_shards()) if unwanted is not None else []:
+            if unwanted(job_id):
+                self.delete_shard(epoch, job_id)
+                removed += 1
         return removed

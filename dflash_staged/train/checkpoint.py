@@ -12,7 +12,9 @@ Format, version :data:`FORMAT_VERSION` (one directory per checkpoint; no pickle 
                                    "total_steps": the lr/noise schedule's length,
                                    "opt_steps": AdamW's step count,
                                    "consumed": {step: [[job id, rank, real tokens, bucket,
-                                                        mean sequence length], ...]} for every step,
+                                                        mean sequence length, token digest], ...]}
+                                               for every step (train.ledger.Consumed; the digest,
+                                               absent before it existed, is of the ids trained),
                                    "buffer": [[job ids admitted, in draw order], one list per rank],
                                    "generators": [{"draw": b64, "anchor": b64}, one per rank]
                                                  (torch.Generator states: buffer draws, anchors),
@@ -33,7 +35,9 @@ resuming fails loudly instead.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -43,7 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_staged.errors import DflashError
-from dflash_staged.fsutil import atomic_dir
+from dflash_staged.fsutil import atomic_dir, dir_bytes
 
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -51,6 +55,11 @@ _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 class CheckpointError(DflashError):
     """A checkpoint cannot be read or does not fit this run."""
+
+
+class CheckpointDiskFullError(DflashError):
+    """No space left on the disk of the run directory while a checkpoint was written: nothing of it is
+    left, the older checkpoints and the manifest are intact, and a rerun resumes from the newest."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -93,16 +102,49 @@ def cleanup_tmp(run_dir: Path) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, *, write_drafter: Callable[[Path], None],
                     tensors: dict[str, torch.Tensor], state: dict[str, Any], keep: int) -> Path:
-    """Write checkpoint ``step`` atomically. ``write_drafter(dir)`` writes config.json + model.safetensors."""
-    with atomic_dir(checkpoints_dir(run_dir) / f"step_{step:08d}", replace=True) as tmp:
-        write_drafter(tmp)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                  str(tmp / "trainer_state.safetensors"))
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "format_version": FORMAT_VERSION},
-                                                           sort_keys=True))
+    """Write checkpoint ``step`` atomically. ``write_drafter(dir)`` writes config.json + model.safetensors.
+    A full disk is a :class:`CheckpointDiskFullError` naming the bytes needed, with nothing left behind."""
+    drafter_bytes = None
+    try:
+        with atomic_dir(checkpoints_dir(run_dir) / f"step_{step:08d}", replace=True) as tmp:
+            write_drafter(tmp)
+            drafter_bytes = dir_bytes(tmp)
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                      str(tmp / "trainer_state.safetensors"))
+            (tmp / "trainer_state.json").write_text(json.dumps({**state, "format_version": FORMAT_VERSION},
+                                                               sort_keys=True))
+    except Exception as e:
+        if not _disk_full(e):
+            raise
+        raise _full_error(run_dir, step, tensors, drafter_bytes) from None
     for _, p in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     return checkpoints_dir(run_dir) / f"step_{step:08d}"
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT, as an OSError or as safetensors' writer reports it ("... (os error 28)")."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(e, OSError):
+        return e.errno in codes
+    return any(f"(os error {c})" in str(e) or os.strerror(c) in str(e) for c in codes)
+
+
+def _full_error(run_dir: Path, step: int, tensors: dict[str, torch.Tensor],
+                drafter_bytes: int | None) -> CheckpointDiskFullError:
+    """The one-line error: bytes one checkpoint takes (the newest one's size; else the tensors being
+    written plus the drafter weights, about a third of them when not written yet)."""
+    d = checkpoints_dir(run_dir)
+    older = list_checkpoints(run_dir)
+    state = sum(t.numel() * t.element_size() for t in tensors.values())
+    drafter = state // 3 if drafter_bytes is None else drafter_bytes
+    need = dir_bytes(older[-1][1]) if older else state + drafter
+    free = shutil.disk_usage(d if d.is_dir() else run_dir).free
+    return CheckpointDiskFullError(
+        f"no space left on the disk of checkpoint directory {d} while writing checkpoint step_{step:08d} "
+        f"({need} bytes needed, {free} free); nothing of it was left, the older checkpoints and the manifest "
+        "are intact. Free space (the disk must hold train.keep_checkpoints + 1 checkpoints while one is "
+        "written) and rerun the same command: it resumes from the newest checkpoint")
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -3,8 +3,10 @@
 Rules (the state machine itself is :mod:`dflash_staged.manifest.states`):
 
 * a shard is ``consumed`` when the optimizer step that used it completes; the ledger records
-  ``step -> [[job, rank, tokens, bucket, mean length], ...]`` for every step, and this record
-  goes into every checkpoint: it is the proof of what was trained;
+  ``step -> [Consumed, ...]`` for every step, and this record goes into every checkpoint: it is
+  the proof of what was trained, down to a digest of the token ids the model was fed. The
+  manifest refuses to consume a job that is not ``written`` (say, taken twice), so a step that
+  would count a job twice stops the trainer before it is recorded;
 * it is deleted and ``released`` (or ``kept`` with ``--keep-shards``) only after a durable
   checkpoint covers that step;
 * the trainer never waits for shards while it holds consumed, unreleased ones: it checkpoints
@@ -17,7 +19,27 @@ Only rank 0 of a live run writes to the manifest; a replay never does.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
 from dflash_staged.manifest import Manifest
+
+
+class Consumed(NamedTuple):
+    """One job an optimizer step trained on (a list in the checkpoint's ``consumed`` record)."""
+    job: int
+    rank: int
+    tokens: int  # real tokens
+    bucket: int
+    mean_len: float  # mean sequence length
+    digest: str = ""  # token_digest() of the ids trained ("" in checkpoints older than the digest)
+
+
+def token_digest(ids) -> str:
+    """xxh3-64 of a job's packed token ids as int32, in the plan's sample order: what the model saw."""
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(np.asarray(ids, dtype=np.int32)).tobytes())
 
 
 class Ledger:
@@ -26,18 +48,19 @@ class Ledger:
     def __init__(self, m: Manifest, store, *, live: bool, rank: int, keep_shards: bool):
         self.m, self.store = m, store
         self.live, self.rank, self.keep_shards = live, rank, keep_shards
-        self.consumed: dict[int, list[list]] = {}  # step -> [[job, rank, tokens, bucket, mean length]]
+        self.consumed: dict[int, list[Consumed]] = {}
         self.checkpointed = 0  # the step the newest durable checkpoint covers
 
     @property
     def writes(self) -> bool:
         return self.live and self.rank == 0
 
-    def record(self, step: int, items: list) -> None:
-        """Step ``step`` completed using these shards (``items`` from every rank)."""
-        self.consumed[step] = [list(j) for j in items]
+    def record(self, step: int, items: list[Consumed]) -> None:
+        """Step ``step`` completed using these shards (``items`` from every rank); the manifest
+        refuses (raises) before anything is recorded if one of them is not ``written``."""
         if self.writes:
-            self.m.consume([j[0] for j in items], step, {j[0]: j[1] for j in items})
+            self.m.consume([c.job for c in items], step, {c.job: c.rank for c in items})
+        self.consumed[step] = list(items)
 
     def holds_unreleased(self, step: int) -> bool:
         """Consumed shards no durable checkpoint covers yet (live runs only)."""
@@ -45,7 +68,7 @@ class Ledger:
 
     def covered(self) -> dict[int, int]:
         """job id -> the step that consumed it."""
-        return {int(j[0]): int(step) for step, items in self.consumed.items() for j in items}
+        return {c.job: int(step) for step, items in self.consumed.items() for c in items}
 
     def checkpoint_done(self, step: int) -> None:
         """A checkpoint covering ``step`` is durable: release (or keep) what it covers."""
@@ -53,9 +76,9 @@ class Ledger:
         if self.writes:
             self._release([j.id for j in self.m.consumed_upto(step)])
 
-    def restore(self, consumed: dict[int, list], step: int) -> None:
+    def restore(self, consumed: dict[str, list], step: int) -> None:
         """The record of a checkpoint at ``step`` (resume)."""
-        self.consumed = {int(s): v for s, v in consumed.items()}
+        self.consumed = {int(s): [Consumed(*c) for c in v] for s, v in consumed.items()}
         self.checkpointed = step
 
     def reconcile(self) -> None:
@@ -67,6 +90,7 @@ class Ledger:
         if not job_ids:
             return
         if not self.keep_shards:
+            self.m.check_fence()  # a trainer another one replaced deletes nothing
             for i in job_ids:
                 j = self.m.job(i)
                 self.store.delete_shard(j.epoch, j.id)

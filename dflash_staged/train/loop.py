@@ -1,7 +1,7 @@
 """``dflash train``: the training loop, top to bottom.
 
-Each step: gather this step's shards (waiting while fewer than ``train.min_ready`` are ready, or
-all from one length bucket, never while holding consumed, unreleased shards), forward/backward every microbatch (each
+Each step: gather this step's shards (:mod:`dflash_staged.train.draw`: the drawing and waiting
+policy, the same for one rank and many), forward/backward every microbatch (each
 backpropagates its weighted loss sum), sum the gradients over ranks and divide them by the
 step's total loss weight over all ranks, take the optimizer step, record the shards as consumed, log, and every
 ``train.checkpoint_every`` steps checkpoint and release. The consumption, release and resume
@@ -13,21 +13,11 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
 
-from dflash_staged.store import ShardError
+from dflash_staged.train.draw import StepData, gather_step
+from dflash_staged.train.ledger import Consumed, token_digest
 from dflash_staged.train.objective import per_offset_accuracy, training_tau
 from dflash_staged.train.trainer import Trainer
-
-WAIT_POLL_S = 0.25
-
-
-@dataclass
-class StepData:
-    """What one optimizer step consumed on this rank."""
-    shards: list = field(default_factory=list)  # (job, shard)
-    wait_s: float = 0.0
-    bucket_choices: int = 0  # distinct buckets in the buffer when the step was drawn
 
 
 def microbatches(shard, max_tokens: int) -> list[dict]:
@@ -62,46 +52,6 @@ class StopRequested:
         return bool(self.signum)
 
 
-def gather_step(t: Trainer, stop) -> StepData | None:
-    """Draw this step's shards (distinct shards, preferring distinct buckets); wait while the
-    buffer is not ready (:meth:`Trainer.ready`). None once everything is drained."""
-    data = StepData()
-    t0 = time.perf_counter()
-    waited = False
-    while True:
-        t.source.fill(t.buffer)
-        if t.ready():
-            break
-        if stop:
-            return None
-        if t.ledger.holds_unreleased(t.step) and not t.dist.enabled:
-            t.checkpoint_and_release()  # frees the window before waiting (DDP: see train_loop)
-        t.source.check_progress_possible()
-        t.progress.waiting(len(t.buffer), t.cfg.train.min_ready, one_bucket=len(t.buffer) >= t.cfg.train.min_ready)
-        waited = True
-        time.sleep(WAIT_POLL_S)
-    if waited:
-        data.wait_s += time.perf_counter() - t0
-    buckets: set[int] = set()
-    data.bucket_choices = len({e.bucket for e in t.buffer.entries})
-    for forced in t.source.forced_step(t.step):
-        shard, w = t.buffer.load(forced)
-        data.wait_s += w
-        data.shards.append((forced.job, shard))
-    while len(data.shards) < t.cfg.train.grad_accum and len(t.buffer):
-        entry = t.buffer.draw(buckets, t.draw_gen, prefer_read=t.source.live)
-        try:
-            shard, w = t.buffer.load(entry)
-        except ShardError as e:
-            t.source.bad_shard(entry.job, e)
-            t.source.fill(t.buffer)
-            continue
-        data.wait_s += w
-        buckets.add(entry.job.bucket)
-        data.shards.append((entry.job, shard))
-    return data
-
-
 def forward_backward(model, mbs: list[dict], device, noise: float) -> dict:
     """Backpropagate every microbatch's weighted loss sum (gradients accumulate); the summed stats."""
     stats = model.zero_stats()
@@ -112,7 +62,8 @@ def forward_backward(model, mbs: list[dict], device, noise: float) -> dict:
     return stats
 
 
-def metrics_line(t: Trainer, jobs: list, stats: dict, lr: float, data: StepData | None, step_s: float) -> dict:
+def metrics_line(t: Trainer, jobs: list[Consumed], stats: dict, lr: float, data: StepData | None,
+                 step_s: float) -> dict:
     """This step's metrics line (loss and accuracies synchronise the host: every step on CPU,
     every ``train.log_every`` steps on CUDA)."""
     loss = acc = tau = None
@@ -124,10 +75,19 @@ def metrics_line(t: Trainer, jobs: list, stats: dict, lr: float, data: StepData 
         acc = per_offset_accuracy(stats["correct"], stats["total"])
         tau = training_tau(stats["accepted"], stats["blocks"])
     choices = t.dist.sum_int(data.bucket_choices if data else 0)
-    return {"step": t.step, "loss": loss, "lr": lr, "acc": acc, "tau": tau, "tokens": sum(j[2] for j in jobs),
-            "jobs": [j[0] for j in jobs], "ranks": [j[1] for j in jobs], "buckets": [j[3] for j in jobs],
-            "lengths": [round(j[4], 1) for j in jobs], "data_wait_s": round(data.wait_s if data else 0.0, 4),
-            "step_s": round(step_s, 4), "buffer": len(t.buffer), "bucket_choices": choices}
+    return {"step": t.step, "loss": loss, "lr": lr, "acc": acc, "tau": tau,
+            "tokens": sum(c.tokens for c in jobs), "jobs": [c.job for c in jobs],
+            "ranks": [c.rank for c in jobs], "buckets": [c.bucket for c in jobs],
+            "lengths": [round(c.mean_len, 1) for c in jobs], "digests": [c.digest for c in jobs],
+            "data_wait_s": round(data.wait_s if data else 0.0, 4), "step_s": round(step_s, 4),
+            "buffer": len(t.buffer), "bucket_choices": choices}
+
+
+def consumed_item(job, rank: int, shard) -> Consumed:
+    """What the ledger records of one job a step trained on."""
+    n = int(shard.input_ids.numel())
+    return Consumed(job.id, rank, n, job.bucket, n / max(1, shard.cu_seqlens.numel() - 1),
+                    token_digest(shard.input_ids))
 
 
 def train_loop(t: Trainer) -> int:
@@ -135,9 +95,7 @@ def train_loop(t: Trainer) -> int:
     cfg, dist = t.cfg, t.dist
     stop = StopRequested()
     while not (t.opts.max_steps and t.step >= t.opts.max_steps):
-        # ---- data: this step's shards (may wait; never while holding unreleased shards) --------------
-        if dist.enabled and t.ledger.holds_unreleased(t.step) and dist.any(t.would_wait()):
-            t.checkpoint_and_release()  # collective, so every rank releases before any waits
+        # ---- data: this step's shards (may wait, all ranks together; never holding unreleased shards) --
         data = gather_step(t, stop)
         local = [] if data is None else data.shards
         if not dist.any(len(local) > 0):
@@ -154,9 +112,8 @@ def train_loop(t: Trainer) -> int:
         lr = t.optim.lr(t.step, t.total_steps)
         t.optim.step(lr, stats["weight_sum"])
         t.step += 1
-        jobs = dist.gather_jobs([(job.id, dist.rank, int(shard.input_ids.numel()), job.bucket,
-                                  float(shard.input_ids.numel()) / max(1, shard.cu_seqlens.numel() - 1))
-                                 for job, shard in local])
+        mine = [consumed_item(job, dist.rank, shard) for job, shard in local]
+        jobs = [Consumed(*c) for c in dist.gather_jobs(mine)]
         t.ledger.record(t.step, jobs)
         step_s = time.perf_counter() - t_step
 

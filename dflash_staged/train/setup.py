@@ -42,10 +42,11 @@ def run_config(m: Manifest, opts: TrainOptions) -> Config:
 
 
 def check_window(m: Manifest, cfg: Config, ranks: int) -> None:
-    """The same arithmetic as extract: the window must hold min_ready x ranks shards (else the trainer
-    could wait forever), and should hold capacity x ranks + 3 x workers + one checkpoint interval."""
+    """The window rule (:mod:`dflash_staged.manifest.window`) against the settings extract published."""
     w = m.meta.get("extract_window") or {"shards": cfg.extract.window, "workers": 1}
-    err, warn = window_check(cfg, int(w["shards"]), int(w.get("workers", 1)), ranks)
+    err, warn = window_check(cfg, int(w["shards"]), int(w.get("workers", 1)), ranks,
+                             window_bytes=int(w.get("bytes") or 0),
+                             shard_bytes_max=int(w.get("shard_bytes_max") or 0))
     if err:
         raise DflashError(f"{m.address}: extract runs with {err}")
     if warn:

@@ -26,6 +26,7 @@ from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train import setup
 from dflash_staged.train.buffer import ShardBuffer, bound_host_memory
 from dflash_staged.train.distributed import Dist
+from dflash_staged.train.draw import raise_together
 from dflash_staged.train.ledger import Ledger
 from dflash_staged.train.metrics import MetricsLog
 from dflash_staged.train.model import DrafterModel
@@ -66,26 +67,12 @@ class Trainer:
     def device(self) -> torch.device:
         return self.model.device
 
-    def ready(self) -> bool:
-        """Whether the buffer can give the next step its shards: ``train.min_ready`` of them, from two
-        or more length buckets when a step takes several jobs; unless the buffer is full or nothing
-        more is coming (never wait on what can no longer arrive)."""
-        b = self.buffer
-        if self.source.finished() or len(b) >= b.capacity:
-            return True
-        if len(b) < self.cfg.train.min_ready:
-            return False
-        return self.cfg.train.grad_accum < 2 or len({e.bucket for e in b.entries}) >= 2
-
-    def would_wait(self) -> bool:
-        """Whether gathering the next step would have to wait for shards."""
-        self.source.fill(self.buffer)
-        return not self.ready()
-
     def checkpoint_and_release(self) -> None:
         """Save a checkpoint covering every completed step (collective), then release what it covers."""
         if self.step == self.ledger.checkpointed:
             return
+        # a trainer another one replaced (cut off past its lease) writes no checkpoint, on no rank
+        raise_together(self, (lambda: None) if self.opts.replay else self.m.check_fence)
         buffers = self.dist.gather_obj(self.buffer.job_ids())
         gens = self.dist.gather_obj({"draw": gen_state(self.draw_gen), "anchor": gen_state(self.model.anchor_gen)})
         if self.dist.rank == 0:
@@ -109,7 +96,7 @@ class Trainer:
         if not self.opts.replay:
             try:
                 if self.dist.rank == 0:  # leftovers of writers that died after the last extract exited
-                    self.store.cleanup_temp(claimed=self.m.holds_claim)
+                    self.store.cleanup_temp(claimed=self.m.holds_claim, unwanted=self.m.shard_unwanted)
                 self.m.unregister_me("train")
             except DflashError as e:  # the manifest's server is gone: its lease lets the registration lapse
                 print(f"train: warning: could not unregister from {self.m.address}: {e}", file=sys.stderr, flush=True)
@@ -145,7 +132,8 @@ def build_trainer(opts: TrainOptions) -> Trainer:
         setup.check_window(m, cfg, dist.world)
     store = setup.wait_for_store(opts, m)
     if not opts.replay and dist.rank == 0:
-        store.cleanup_temp(claimed=m.holds_claim)  # half-deleted shards of a killed trainer, half-written ones of dead workers
+        # half-deleted shards of a killed trainer, half-written ones of dead workers, stale ones
+        store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
     model = DrafterModel(setup.build_drafter(cfg, store, device, opts.init_from), cfg.train, device, dist.rank)
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:
@@ -197,4 +185,5 @@ def resume(t: Trainer) -> None:
     dist.barrier()
     if state is not None:
         t.source.admit_ids(t.buffer, [int(i) for i in state["buffer"][dist.rank]])
+    dist.barrier()  # every rank has its checkpointed buffer back before any takes new shards
     t.metrics.truncate(t.step)

@@ -6,6 +6,8 @@ seeded random threshold, so kills are spread over the whole run whatever the mac
 Each kill SIGKILLs one process chosen at random among the trainer, the extract supervisors
 and the extract workers (the first three kills cover each kind once), among those alive for a
 random minimum age, so most kills land in real work rather than in interpreter start-up.
+With ``nproc`` > 1 the trainer is ``dflash train --nproc N`` (torchrun, N ranks on gloo), and a
+trainer kill is a kill -9 of the whole trainer: the launcher and every rank.
 Killed processes are restarted: the trainer with the same command line (it resumes), extract
 workers by starting another `dflash extract` with the missing number of workers. Processes
 can also kill themselves at chosen crash points (see hooks/dflash_fault_hooks.py).
@@ -55,8 +57,10 @@ class Report:
 class Chaos:
     def __init__(self, tmp: Path, mdir: Path, store: Path, run_dir: Path, *, seed: int, kills: int, window: int,
                  crash_train: dict | None = None, crash_extract: dict | None = None, timeout_s: float = 600,
-                 shard_bytes_max: int = 0):
+                 shard_bytes_max: int = 0, nproc: int = 1, kinds: tuple = KINDS):
         self.tmp, self.mdir, self.store, self.run_dir = tmp, mdir, store, run_dir
+        self.nproc = nproc
+        self.seen_ranks: set[int] = set()
         self.rng = random.Random(seed)
         self.report = Report(seed)
         self.target_kills, self.window, self.timeout_s = kills, window, timeout_s
@@ -73,16 +77,17 @@ class Chaos:
         self.killed: set[int] = set()
         self.seen_workers: set[int] = set()
         self.thresholds = sorted(self.rng.uniform(0.03, 0.9) for _ in range(kills))
-        first = list(KINDS)
+        first = list(kinds)
         self.rng.shuffle(first)
-        self.kind_plan = first[:kills] + [self.rng.choice(KINDS) for _ in range(max(0, kills - 3))]
+        self.kind_plan = first[:kills] + [self.rng.choice(kinds) for _ in range(max(0, kills - len(kinds)))]
         self.m = Manifest.open(mdir, readonly=True)
         self.total = sum(self.m.counts().values())
 
     # ------------------------------------------------------------------ processes
     def start_trainer(self) -> None:
-        self.trainer = start(["train", "--manifest", self.mdir, "--store", self.store, "--out", self.run_dir],
-                             self.tmp / "train.log", self.env_train)
+        ranks = ["--nproc", self.nproc, "--device", "cpu"] if self.nproc > 1 else []
+        self.trainer = start(["train", "--manifest", self.mdir, "--store", self.store, "--out", self.run_dir,
+                              *ranks], self.tmp / "train.log", self.env_train)
         self.trainer_started = time.time()
 
     def start_extract(self, n: int) -> None:
@@ -107,6 +112,17 @@ class Chaos:
                 except psutil.NoSuchProcess:
                     pass
         return out
+
+    def ranks(self) -> list[int]:
+        """The trainer's ranks (torchrun's children), remembered to check for orphans at the end."""
+        if self.nproc < 2 or self.trainer is None or self.trainer.poll() is not None:
+            return []
+        try:
+            kids = [k.pid for k in psutil.Process(self.trainer.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        self.seen_ranks.update(kids)
+        return kids
 
     def _expected_workers(self) -> int:
         """Workers alive or still starting (a young supervisor has not spawned them yet)."""
@@ -135,6 +151,7 @@ class Chaos:
                     raise TimeoutError(f"chaos run (seed {self.report.seed}) did not finish in {self.timeout_s}s")
                 self.sample()
                 self.workers()  # remember every worker pid, to check for orphans at the end
+                self.ranks()
                 if self.maintain():
                     break
                 self.maybe_kill(time.time())
@@ -147,7 +164,9 @@ class Chaos:
             deadline = time.time() + 10  # workers die with their supervisor (PDEATHSIG): allow a moment
             while time.time() < deadline and any(_alive(pid) for pid in self.seen_workers):
                 time.sleep(0.1)
-            self.report.orphans = [pid for pid in self.seen_workers if _alive(pid)]
+            while time.time() < deadline and any(_alive(pid) for pid in self.seen_ranks):
+                time.sleep(0.1)
+            self.report.orphans = [pid for pid in self.seen_workers | self.seen_ranks if _alive(pid)]
             self.m.close()
         return self.report
 
@@ -224,8 +243,11 @@ class Chaos:
             return
         pid = self.rng.choice(sorted(victims))
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            if self.nproc > 1 and self.trainer is not None and pid == self.trainer.pid:
+                kill_tree(pid)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, psutil.NoSuchProcess):
             return
         self.killed.add(pid)
         r.kills.append((now, kind, pid))
@@ -255,6 +277,18 @@ class Chaos:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 of a process and every descendant (stopped first, so none is spawned meanwhile)."""
+    root = psutil.Process(pid)
+    root.suspend()
+    procs = root.children(recursive=True) + [root]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _alive(pid: int) -> bool:

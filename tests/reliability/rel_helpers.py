@@ -72,7 +72,24 @@ def assert_exactly_once(mdir: Path, run_dir: Path) -> dict:
     assert sorted(j for x in lines for j in x["jobs"]) == all_ids
     for x in lines:
         assert x["jobs"] == [int(j[0]) for j in state["consumed"][str(x["step"])]], x
+    assert_fed_as_planned(mdir, lines)
     return state
+
+
+def assert_fed_as_planned(mdir, lines: list[dict]) -> None:
+    """What the model was fed, not only what the ledger says: each step's token digests equal the
+    digests of the jobs' samples as planned in the manifest."""
+    import numpy as np
+
+    from dflash_staged.train.ledger import token_digest
+    with Manifest.open(mdir, readonly=True) as m:
+        jobs = {j.id: j for j in m.jobs()}
+        for x in lines:
+            assert len(x["digests"]) == len(x["jobs"]), x
+            for job_id, digest in zip(x["jobs"], x["digests"]):
+                planned = np.concatenate([m.sample(s)[0] for s in jobs[job_id].sample_ids])
+                assert digest == token_digest(planned), f"step {x['step']}: job {job_id} was fed other tokens"
+        assert sum(x["tokens"] for x in lines) == sum(j.real_tokens for j in jobs.values()), "tokens trained"
 
 
 def assert_all_released_and_clean(mdir: Path, store: Path, run_dir: Path | None = None) -> dict:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from chaos import Chaos
-from pgcluster import PG_SLOW
+from pgcluster import BOTH, PG_SLOW
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.dims import target_dims
 from helpers import plan, run, start, write_config, write_dataset
@@ -38,12 +38,14 @@ def max_shard_bytes(mdir) -> int:
         return max(j.real_tokens for j in m.jobs()) * per_token + (16 << 10)
 
 
-def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float, manifest=None):
+def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float, manifest=None, nproc: int = 1):
     seed = int(os.environ.get("DFLASH_CHAOS_SEED") or random.SystemRandom().randrange(2**31))
     mdir = plan(tmp_path, n, epochs, extra=EXTRA, manifest=manifest)
     store, run_dir = tmp_path / "store", tmp_path / "run"
+    ddp = {"nproc": nproc, "kinds": ("trainer",), "crash_train": None} if nproc > 1 \
+        else {"crash_train": CRASH_TRAIN}
     chaos = Chaos(tmp_path, mdir, store, run_dir, seed=seed, kills=kills, window=WINDOW, timeout_s=timeout_s,
-                  crash_train=CRASH_TRAIN, crash_extract=CRASH_EXTRACT, shard_bytes_max=max_shard_bytes(mdir))
+                  crash_extract=CRASH_EXTRACT, shard_bytes_max=max_shard_bytes(mdir), **ddp)
     r = chaos.run()
     kinds = {}
     for _, kind, _ in r.kills:
@@ -75,6 +77,21 @@ def test_chaos_kill9(tmp_path, backend):
 @pytest.mark.slow
 def test_chaos_kill9_slow(tmp_path):
     chaos_case(tmp_path, kills=50, n=96, epochs=4, timeout_s=1800)
+
+
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
+def test_chaos_two_ranks_kill9(tmp_path, backend):
+    """Two trainer ranks (gloo) beside extract; kill -9 of the whole trainer (launcher and ranks) three
+    times, resumed each time: every job of every epoch trained once, with the tokens planned."""
+    chaos_case(tmp_path, kills=3, n=64, epochs=2, timeout_s=400, manifest=backend.address(tmp_path),
+               nproc=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BOTH, indirect=True)
+def test_chaos_two_ranks_kill9_slow(tmp_path, backend):
+    chaos_case(tmp_path, kills=10, n=64, epochs=3, timeout_s=1200, manifest=backend.address(tmp_path),
+               nproc=2)
 
 
 def test_killed_writer_leftovers_removed(tmp_path):

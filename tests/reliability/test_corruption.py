@@ -188,6 +188,38 @@ def test_corruption_detected_and_reextracted(tmp_path, backend):
                     manifest=backend.address(tmp_path))
 
 
+def test_damaged_shard_found_by_a_trainer_started_just_after_extract(tmp_path):
+    """Regression: over a fully extracted manifest, a `dflash extract` started beside a trainer found
+    nothing to claim and left before the trainer had registered; the trainer then sent a damaged shard
+    back and stopped: "1 job(s) are still pending ... but no `dflash extract` is running"."""
+    mdir = plan(tmp_path, 12, 1, extra=EXTRA)
+    store_dir, run_dir = tmp_path / "store", tmp_path / "run"
+    r = run(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", 1000])
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = Manifest.open(mdir, readonly=True)
+    job = m.jobs()[len(m.jobs()) // 2]
+    corrupt(ShardStore.open(store_dir), job, "flip_hidden", random.Random(0), {})
+    ex = start(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", 1000],
+               tmp_path / "extract.log")
+    time.sleep(1)
+    tr = start(["train", "--manifest", mdir, "--store", store_dir, "--out", run_dir], tmp_path / "train.log")
+    try:
+        assert tr.wait(timeout=300) == 0, (tmp_path / "train.log").read_text()[-3000:]
+        assert ex.wait(timeout=120) == 0, (tmp_path / "extract.log").read_text()[-3000:]
+    finally:
+        for p in (ex, tr):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = (tmp_path / "train.log").read_text() + (tmp_path / "extract.log").read_text()
+    assert "Traceback" not in logs and "waiting up to" in logs, logs[-3000:]
+    assert [e["job"] for e in m.events("requeue")] == [job.id]
+    assert m.job(job.id).attempts == 2, "the damaged shard was not re-extracted"
+    assert_exactly_once(mdir, run_dir)
+    assert_all_released_and_clean(mdir, store_dir, run_dir)
+    m.close()
+
+
 @pytest.mark.slow
 def test_corruption_many(tmp_path):
     corruption_case(tmp_path, n=120, epochs=3, before=3 * len(KINDS), during_rounds=6,

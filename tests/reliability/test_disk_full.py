@@ -9,6 +9,7 @@ is freed, rerunning completes with one verified shard per job.
 from __future__ import annotations
 
 import errno
+import os
 import re
 
 import pytest
@@ -20,7 +21,7 @@ from dflash_staged.store import ShardStore, StoreFullError, StoreMeta
 from helpers import plan
 from pgcluster import PG_SLOW
 from helpers import run, status
-from rel_helpers import hooked_env, scan_store
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
 
 
 EXTRA = "[data]\ntoken_budget = 512\n"
@@ -109,3 +110,51 @@ def test_full_disk_when_creating_store_or_epoch_is_store_full_error(tmp_path, mo
     with pytest.raises(StoreFullError, match="while creating it"):
         ShardStore.create_or_open(tmp_path / "store2", _meta())
     assert not (tmp_path / "store2").exists() and not list(tmp_path.glob(".store2.tmp~*"))
+
+
+def test_checkpoint_on_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path):
+    """Regression: a full disk while `dflash train` wrote a checkpoint was a raw traceback (safetensors'
+    SafetensorError). Now: one line naming the checkpoint directory and the bytes needed, exit 1, no
+    temporaries; once space is freed the same command resumes and trains every job exactly once."""
+    mdir = plan(tmp_path, n=12, extra=EXTRA)
+    store, run_dir, flag = tmp_path / "store", tmp_path / "run", tmp_path / "disk-full"
+    r = extract(mdir, store, devices="cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    flag.write_text("")
+    environ = hooked_env(checkpoint_enospc_flag=str(flag))
+    args = ["train", "--manifest", mdir, "--store", store, "--out", run_dir, "--device", "cpu"]
+    r = run(args, environ)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    want = (rf"no space left on the disk of checkpoint directory {re.escape(str(run_dir / 'checkpoints'))} "
+            r"while writing checkpoint step_\d{8} \((\d+) bytes needed, \d+ free\)")
+    found = re.search(want, errors[0])
+    assert found and int(found.group(1)) > 0, errors[0]
+    assert list((run_dir / "checkpoints").iterdir()) == [], "a half-written checkpoint was left"
+    st = status(mdir)
+    assert st["jobs"]["claimed"] == 0 and st["jobs"]["failed"] == 0 and st["processes"] == [], st
+    flag.unlink()  # space freed
+    r = run(args, environ)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert_exactly_once(mdir, run_dir)
+    assert_all_released_and_clean(mdir, store, run_dir)
+
+
+def test_full_disk_anywhere_in_a_checkpoint_is_checkpoint_disk_full_error(tmp_path):
+    """An OSError ENOSPC (config.json, the weights) is the same one-line error; other errors are not."""
+    from dflash_staged.train.checkpoint import CheckpointDiskFullError, save_checkpoint
+
+    def full(d):
+        (d / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def broken(d):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    tensors = {"master.w": torch.zeros(300)}
+    with pytest.raises(CheckpointDiskFullError, match=r"step_00000007 \(1600 bytes needed"):
+        save_checkpoint(tmp_path, 7, write_drafter=full, tensors=tensors, state={}, keep=2)
+    with pytest.raises(OSError, match="Input/output error"):
+        save_checkpoint(tmp_path, 7, write_drafter=broken, tensors=tensors, state={}, keep=2)
+    assert list((tmp_path / "checkpoints").iterdir()) == []

@@ -9,6 +9,9 @@ Keys (all optional):
   (``dflash_staged.store.shardfiles._os_write``) fail with ENOSPC once this process has written the
   number of bytes the file holds (empty = 0; the write that crosses it is cut short): a disk that
   fills up mid-file and stays full until the file is removed.
+* ``checkpoint_enospc_flag``: path. While that file exists, a checkpoint's trainer state
+  (``dflash_staged.train.checkpoint.save_file``) fails the way safetensors reports a full disk,
+  after writing part of the file.
 * ``fake_target``: ``{"hidden": H, "delay_s": s}``. ``load_target`` returns a fast fake whose
   tapped state k of token t at channel h is ``t * (k + 1) + h / 2`` (float32).
 * ``commit_log``: path. Every shard published (``ShardStore.commit_staged``) appends
@@ -105,6 +108,18 @@ def _patch_checkpoint(mod) -> None:
         return out
 
     mod.save_checkpoint = save_checkpoint
+    if CFG.get("checkpoint_enospc_flag"):
+        real_save_file = mod.save_file
+
+        def save_file(tensors, filename, metadata=None):
+            if not os.path.exists(CFG["checkpoint_enospc_flag"]):
+                return real_save_file(tensors, filename, metadata=metadata)
+            with open(filename, "wb") as f:
+                f.write(b"\0" * 4096)  # the disk fills up mid-file
+            from safetensors import SafetensorError
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        mod.save_file = save_file
 
 
 def _patch_fsutil(mod) -> None:
@@ -193,7 +208,8 @@ def _crashes() -> bool:
 # Each patch names the attributes it replaces directly, so a rename fails loudly (AttributeError at import).
 _PATCHES = {"dflash_staged.store.shardfiles": (_patch_shardfiles, lambda: "enospc_flag" in CFG or _crashes()),
             "dflash_staged.store.layout": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
-            "dflash_staged.train.checkpoint": (_patch_checkpoint, _crashes),
+            "dflash_staged.train.checkpoint": (_patch_checkpoint,
+                                               lambda: _crashes() or "checkpoint_enospc_flag" in CFG),
             "dflash_staged.fsutil": (_patch_fsutil, _crashes),
             "dflash_staged.manifest.sqlite": (_patch_manifest, _crashes),
             "dflash_staged.manifest.postgres": (_patch_manifest_pg, _crashes),

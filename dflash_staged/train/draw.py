@@ -1,0 +1,104 @@
+"""The drawing policy: when a step may be drawn, what it takes, and what happens while it waits.
+
+One rank and many alike (every decision below is collective, so ranks never disagree about
+waiting, and none sits in a gradient all-reduce while another waits for shards):
+
+* **ready**: every rank's buffer holds ``train.min_ready`` shards, from two or more length buckets
+  when a step takes several jobs (``train.grad_accum >= 2``); a rank whose buffer is full, or
+  whose source will deliver nothing more, counts as ready (never wait on what cannot arrive).
+  The window rule (:mod:`dflash_staged.manifest.window`) makes sure a buffer can always fill.
+* **waiting**: while any rank is not ready, all ranks poll together; before waiting they
+  checkpoint and release the consumed shards no checkpoint covers yet (this frees extract's
+  window), and a rank that finds progress impossible (jobs pending but no extract running)
+  stops every rank with the same message.
+* **drawing**: forced jobs first (a replay's recorded order), then uniformly at random from the
+  buffer, preferring length buckets not yet in the step (:meth:`ShardBuffer.draw`). A shard that
+  fails verification goes back to extract and the draw goes on without waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from dflash_staged.errors import DflashError
+from dflash_staged.store import ShardError
+
+WAIT_POLL_S = 0.25
+
+
+@dataclass
+class StepData:
+    """What one optimizer step consumed on this rank."""
+    shards: list = field(default_factory=list)  # (job, shard)
+    wait_s: float = 0.0
+    bucket_choices: int = 0  # distinct buckets in the buffer when the step was drawn
+
+
+def ready(t) -> bool:
+    """Whether this rank's buffer can give the next step its shards (see the module docstring)."""
+    b = t.buffer
+    if t.source.finished() or len(b) >= b.capacity:
+        return True
+    if len(b) < t.cfg.train.min_ready:
+        return False
+    return t.cfg.train.grad_accum < 2 or len({e.bucket for e in b.entries}) >= 2
+
+
+def all_ready(t) -> bool:
+    """Fill this rank's buffer, then whether every rank is ready (collective)."""
+    t.source.fill(t.buffer)
+    return not t.dist.any(not ready(t))
+
+
+def raise_together(t, check) -> None:
+    """Run ``check()`` on every rank; if it raised a DflashError on any, raise it on all (collective)."""
+    err = None
+    try:
+        check()
+    except DflashError as e:
+        err = e
+    errors = t.dist.gather_obj(None if err is None else (type(err), str(err)))
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        if err is not None:
+            raise err
+        kind, msg = first
+        raise kind(msg) if issubclass(kind, DflashError) else DflashError(msg)
+
+
+def gather_step(t, stop) -> StepData | None:
+    """This step's shards on this rank, once every rank is ready; None if a stop was requested."""
+    data = StepData()
+    t0 = time.perf_counter()
+    waited = False
+    while not all_ready(t):
+        if t.dist.any(bool(stop)):
+            return None
+        if t.ledger.holds_unreleased(t.step):  # the same on every rank: the ledger is global
+            t.checkpoint_and_release()
+        raise_together(t, t.source.check_progress_possible)
+        n, need = len(t.buffer), t.cfg.train.min_ready
+        t.progress.waiting(n, need, one_bucket=n >= need)
+        waited = True
+        time.sleep(WAIT_POLL_S)
+    if waited:
+        data.wait_s += time.perf_counter() - t0
+    data.bucket_choices = len({e.bucket for e in t.buffer.entries})
+    for forced in t.source.forced_step(t.step):
+        shard, w = t.buffer.load(forced)
+        data.wait_s += w
+        data.shards.append((forced.job, shard))
+    buckets: set[int] = set()
+    while len(data.shards) < t.cfg.train.grad_accum and len(t.buffer):
+        entry = t.buffer.draw(buckets, t.draw_gen, prefer_read=t.source.live)
+        try:
+            shard, w = t.buffer.load(entry)
+        except ShardError as e:
+            t.source.bad_shard(entry.job, e)
+            t.source.fill(t.buffer)
+            continue
+        data.wait_s += w
+        buckets.add(entry.job.bucket)
+        data.shards.append((entry.job, shard))
+    return data
