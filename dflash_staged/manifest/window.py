@@ -22,14 +22,7 @@ checkpoint interval consumes``, the message says by how many shards.
 from __future__ import annotations
 
 from dflash_staged.config import Config
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "K", "M", "G", "T"):
-        if n < 1024 or unit == "T":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
+from dflash_staged.manifest.status import human_bytes as _size
 
 
 def window_check(cfg: Config, window: int, workers: int, ranks: int, *, window_bytes: int = 0,
@@ -51,7 +44,7 @@ def window_check(cfg: Config, window: int, workers: int, ranks: int, *, window_b
             return (f"--window-bytes {_size(window_bytes)} < train.buffer_capacity {t.buffer_capacity} x "
                     f"{ranks} trainer rank(s) x {_size(shard_bytes_max)} (the largest shard) = "
                     f"{_size(need_b)}: extract would stop claiming before the trainer's buffers can fill, "
-                    f"and both would wait forever. Raise --window-bytes to at least {_size(need_b)}, lower "
+                    f"and both would wait forever. Raise --window-bytes to at least {need_b} ({_size(need_b)}), lower "
                     "train.buffer_capacity, or plan smaller jobs (data.token_budget)"), None
     if window < comfortable:
         return None, (f"window {window} is {comfortable - window} shard(s) short of buffer capacity "
