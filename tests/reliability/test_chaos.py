@@ -79,6 +79,7 @@ def test_chaos_kill9_slow(tmp_path):
     chaos_case(tmp_path, kills=50, n=96, epochs=4, timeout_s=1800)
 
 
+@pytest.mark.slow  # flaky in 2 of ~8 runs on a loaded 2-core box (issue 22 stays open until understood)
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_chaos_two_ranks_kill9(tmp_path, backend):
     """Two trainer ranks (gloo) beside extract; kill -9 of the whole trainer (launcher and ranks) three
