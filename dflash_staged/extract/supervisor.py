@@ -53,11 +53,15 @@ class _Worker:
     code: int | None = None  # set once it is over: the leader's exit code, or the death of a group
     restarts: int = 0
     wait_since: float = 0.0  # when a group's first rank exited on its own (the others then get GROUP_GRACE_S)
+    # Its own status queue, new at each start: a process killed while it writes to a multiprocessing
+    # queue leaves the queue's write lock held, and every other writer (and its exit) would block on it.
+    queue: object = None
 
-    def start(self, ctx, opts: ExtractOptions, status_q, tmp: str | None) -> None:
+    def start(self, ctx, opts: ExtractOptions, tmp: str | None) -> None:
         init = os.path.join(tmp, f"group{self.index}-{self.restarts}") if tmp else None
         self.wait_since = 0.0
-        self.procs = [ctx.Process(target=worker_main, args=(self.index, self.devices, r, opts, status_q, init),
+        self.queue = ctx.Queue()
+        self.procs = [ctx.Process(target=worker_main, args=(self.index, self.devices, r, opts, self.queue, init),
                                   name=f"extract-{self.index}" + (f"-rank{r}" if init else ""), daemon=False)
                       for r in range(len(self.devices))]
         for p in self.procs:
@@ -118,7 +122,6 @@ def run_extract(opts: ExtractOptions) -> int:
                                   "shard_bytes_max": largest})
     proc_id = m.register("extract", info={"devices": opts.devices, "tp": opts.tp})
     ctx = mp.get_context("spawn")
-    status_q = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="dflash-tp-") if opts.tp > 1 else None  # the groups' rendezvous files
     workers = [_Worker(i, g) for i, g in enumerate(groups)]
     stopping = {"n": 0}
@@ -132,10 +135,10 @@ def run_extract(opts: ExtractOptions) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     for w in workers:
-        w.start(ctx, opts, status_q, tmp)
+        w.start(ctx, opts, tmp)
     messages: list[str] = []
     try:
-        _watch(m, opts, workers, messages, status_q, stopping, ctx, tmp)
+        _watch(m, opts, workers, messages, stopping, ctx, tmp)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -144,7 +147,7 @@ def run_extract(opts: ExtractOptions) -> int:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
-        _drain_status(status_q, messages)
+        _drain_status(workers, messages)
         for msg in messages:
             click.echo(f"extract: {msg}", err=True)
         _remove_dead_leftovers(opts, m)
@@ -190,7 +193,7 @@ def _wait_for_trainer(m: Manifest, opts: ExtractOptions) -> bool:
     return opts.trainer_seen
 
 
-def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, status_q, tmp) -> None:
+def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, tmp) -> None:
     """Set ``w.code`` once worker ``w`` is over. A group with a dead process is stopped whole, and
     restarted when that process was killed by a signal (up to GROUP_RESTARTS times)."""
     codes = [p.exitcode for p in w.procs]
@@ -230,12 +233,12 @@ def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, 
                err=True)
     if again:
         w.restarts += 1
-        w.start(ctx, opts, status_q, tmp)
+        w.start(ctx, opts, tmp)
     else:
         w.code = code
 
 
-def _watch(m: Manifest, opts: ExtractOptions, workers: list[_Worker], messages: list, status_q, stopping, ctx,
+def _watch(m: Manifest, opts: ExtractOptions, workers: list[_Worker], messages: list, stopping, ctx,
            tmp) -> None:
     """Until every worker is over: collect exit codes and messages, draw the progress line."""
     total = sum(m.counts().values())
@@ -244,10 +247,10 @@ def _watch(m: Manifest, opts: ExtractOptions, workers: list[_Worker], messages: 
         if sys.stderr.isatty() else None
     last_line = 0.0
     while True:
-        _drain_status(status_q, messages)
+        _drain_status(workers, messages)
         for w in workers:
             if w.code is None:
-                _check_worker(m, opts, w, stopping, ctx, status_q, tmp)
+                _check_worker(m, opts, w, stopping, ctx, tmp)
         if opts.trainer_coming and not opts.trainer_seen:  # for the end's note: did the trainer ever come?
             opts.trainer_seen = bool(m.live_procs("train"))
         c, prog, win = m.counts(), m.progress(), m.window()
@@ -277,7 +280,14 @@ def _remove_dead_leftovers(opts: ExtractOptions, m: Manifest) -> None:
         store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
 
 
-def _drain_status(q, messages: list[str]) -> None:
+def _drain_status(workers: list[_Worker], messages: list[str]) -> None:
+    """The workers' error reports, once each, into ``messages``."""
+    for w in workers:
+        if w.queue is not None:
+            _drain_one(w.queue, messages)
+
+
+def _drain_one(q, messages: list[str]) -> None:
     while True:
         try:
             msg = q.get_nowait()

@@ -193,7 +193,6 @@ def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: Extract
     """Claim, compute, hand over, until nothing is left (or ``keep_going()`` turns false)."""
     from dflash_staged.model.target import pack_unpadded
     worker_id = f"w{rank}-{os.getpid()}"
-    waiting = False
     while keep_going():
         if publisher.error is not None:
             raise publisher.error
@@ -201,13 +200,9 @@ def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: Extract
         if r.job is None:
             if r.nothing_left and not should_stay(m, opts):
                 return
-            if not waiting:
-                waiting = True
-                status_q.put(("wait", rank, "window" if r.window_full else "idle", r.window))
             group.idle()
             time.sleep(POLL_S)
             continue
-        waiting = False
         job = r.job
         lease.hold(job)
         error = None
@@ -233,7 +228,6 @@ def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: Extract
             continue  # someone else owns it now; drop our result
         # The lease stays held until the writer has published (or given back) the shard.
         publisher.submit(job, hidden, packed_ids, loss_mask, cu, sample_ids)
-        status_q.put(("claimed", rank, job.id, int(packed_ids.numel())))
 
 
 def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions, status_q,

@@ -24,6 +24,9 @@ Keys (all optional):
   released), ``consume`` (step marked consumed, not yet logged or checkpointed), ``manifest_npy``
   (`dflash plan` has written one of the manifest's sample arrays under its temporary name).
 * ``crash_after``: ``{point: n}``: SIGKILL this process at the n-th time it reaches ``point``.
+* ``die_holding_status_lock``: true. Extract worker 0 takes its status queue's write lock and
+  SIGKILLs itself before working (a worker killed halfway through a report); every other worker
+  sends one more report as it ends.
 """
 
 from __future__ import annotations
@@ -201,6 +204,22 @@ def expected_hidden(input_ids, num_layers: int, hidden: int):
     return input_ids.float().view(-1, 1, 1) * (k + 1) + h / 2
 
 
+def _patch_extract_worker(mod) -> None:
+    real = mod.worker_main
+
+    def worker_main(index, devices, rank, opts, status_q, init_file=None):
+        if index == 0:
+            status_q._wlock.acquire()
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            real(index, devices, rank, opts, status_q, init_file)  # ends in sys.exit
+        finally:
+            status_q.put(("note", index, "done"))  # its feeder thread needs the write lock to deliver it
+
+    worker_main.__module__, worker_main.__qualname__ = mod.__name__, "worker_main"  # spawn pickles it by name
+    mod.worker_main = worker_main
+
+
 def _crashes() -> bool:
     return bool(CFG.get("crash") or CFG.get("crash_after"))
 
@@ -214,7 +233,8 @@ _PATCHES = {"dflash_staged.store.shardfiles": (_patch_shardfiles, lambda: "enosp
             "dflash_staged.manifest.sqlite": (_patch_manifest, _crashes),
             "dflash_staged.manifest.postgres": (_patch_manifest_pg, _crashes),
             "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
-            "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG)}
+            "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG),
+            "dflash_staged.extract.worker": (_patch_extract_worker, lambda: "die_holding_status_lock" in CFG)}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
