@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -359,7 +360,7 @@ class Manifest(abc.ABC):
 def consume_ids(job_ids: Iterable[int]) -> list[int]:
     """The ids of a :meth:`Manifest.consume`; ManifestError if one is listed twice."""
     ids = [int(i) for i in job_ids]
-    twice = sorted({i for i in ids if ids.count(i) > 1})
+    twice = sorted(i for i, n in Counter(ids).items() if n > 1)
     if twice:
         raise ManifestError(f"cannot consume jobs {twice}: each is listed more than once (two ranks "
                             "trained the same shard?); nothing was consumed")
