@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dflash_staged.train.checkpoint import consumed_jobs, latest_checkpoint, load_checkpoint
+from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.weights import load_drafter
 from helpers import dflash, plan, run_dflash, sample_while, status
@@ -21,8 +21,8 @@ def metrics(run):
 
 
 def final_consumed(run):
-    _, state = load_checkpoint(latest_checkpoint(run))
-    return state, consumed_jobs(state)
+    state = load_checkpoint(latest_checkpoint(run))
+    return state, state.consumed_jobs()
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_kill9_trainer_and_resume_exactly_once(extracted, tmp_path):
     r = run_dflash("train", "--manifest", mdir, "--store", store, "--out", run)
     assert r.returncode == 0, r.stdout + r.stderr
     state, covered = final_consumed(run)
-    ids = [int(j[0]) for items in state["consumed"].values() for j in items]
+    ids = [c.job for items in state.consumed().values() for c in items]
     assert sorted(ids) == sorted(j.id for j in m.jobs())  # every job exactly once
     lines = metrics(run)
     assert [x["step"] for x in lines] == list(range(1, state["step"] + 1))
@@ -173,10 +173,10 @@ def test_ddp_two_ranks_gloo(extracted, tmp_path):
                    timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     state, _ = final_consumed(run)
-    items = [j for v in state["consumed"].values() for j in v]
+    items = [c for v in state.consumed().values() for c in v]
     m = Manifest.open(mdir, readonly=True)
-    assert sorted(int(j[0]) for j in items) == sorted(j.id for j in m.jobs())
-    assert {int(j[1]) for j in items} == {0, 1}
+    assert sorted(c.job for c in items) == sorted(j.id for j in m.jobs())
+    assert {c.rank for c in items} == {0, 1}
     assert m.counts()["released"] == len(items)
 
 

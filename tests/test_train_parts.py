@@ -218,7 +218,7 @@ def test_ledger_reconcile_on_resume(live):
     ids = publish_all(m, store, limit=3)
     m.consume(ids, step=1)  # a killed trainer consumed all three; its checkpoint covers only the first
     led = Ledger(m, store, live=True, rank=0, keep_shards=False)
-    led.restore({"1": [[ids[0], 0, 10, 0, 5.0]]}, step=1)
+    led.load_state_dict({"consumed": {"1": [[ids[0], 0, 10, 0, 5.0]]}, "step": 1})
     led.reconcile()
     assert [m.job(i).state for i in ids] == ["released", "written", "written"]
     assert not store.has_shard(m.job(ids[0]).epoch, ids[0]) and store.has_shard(m.job(ids[1]).epoch, ids[1])
@@ -246,16 +246,18 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tmp_path):
     for _ in range(3):
         (sum((p ** 2).sum() for p in params.values())).backward()
         opt.step(1e-2)
-    tensors, steps = opt.state_tensors()
-    state = {"step": 3, "consumed": {"1": [[7, 0, 10, 0, 5.0]]}}
+    state = ckpt.TrainerState({"step": 3, "consumed": {"1": [[7, 0, 10, 0, 5.0]]}}, {})
+    state = ckpt.TrainerState({**state.values, **{k: v for k, v in opt.state_dict().items() if not torch.is_tensor(v)}},
+                              {k: v for k, v in opt.state_dict().items() if torch.is_tensor(v)})
     out = ckpt.save_checkpoint(tmp_path, 3, write_drafter=lambda d: (d / "config.json").write_text("{}"),
-                               tensors=tensors, state=state, keep=2)
+                               state=state, keep=2)
     assert out.name == "step_00000003" and ckpt.latest_checkpoint(tmp_path) == out
-    loaded, st = ckpt.load_checkpoint(out)
-    assert st["format_version"] == ckpt.FORMAT_VERSION and ckpt.consumed_jobs(st) == {7: 1}
+    loaded = ckpt.load_checkpoint(out)
+    assert loaded["format_version"] == ckpt.FORMAT_VERSION and loaded.consumed_jobs() == {7: 1}
+    assert loaded["opt_steps"] == 3 and loaded.path == out
     params2 = _params(1)
     opt2 = Optimizer(params2, TrainConfig(lr=1e-2), Dist(torch.device("cpu")))
-    opt2.load_state_tensors(loaded, steps)
+    opt2.load_state_dict(loaded)
     for n in params:
         assert torch.equal(params[n], params2[n])
     for p in (params, params2):  # one more identical step from identical state
@@ -267,8 +269,8 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tmp_path):
 
 def test_checkpoints_keep_the_newest_and_refuse_another_format(tmp_path):
     for step in (1, 2, 3):
-        ckpt.save_checkpoint(tmp_path, step, write_drafter=lambda d: None, tensors={"x": torch.zeros(1)},
-                             state={"step": step}, keep=2)
+        ckpt.save_checkpoint(tmp_path, step, write_drafter=lambda d: None,
+                             state=ckpt.TrainerState({"step": step}, {"x": torch.zeros(1)}), keep=2)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3]
     (ckpt.checkpoints_dir(tmp_path) / ".step_00000004.tmp-1-abc").mkdir()  # a save killed midway
     ckpt.cleanup_tmp(tmp_path)

@@ -55,6 +55,7 @@ class ShardBuffer:
         self.capacity = capacity
         self.verify = verify
         self.entries: list[Entry] = []
+        self.to_readmit: list[int] = []  # a checkpoint's contents, before resume re-admits them
         self.pool = cf.ThreadPoolExecutor(max_workers=readers, thread_name_prefix="shard-read")
 
     def __len__(self) -> int:
@@ -66,6 +67,16 @@ class ShardBuffer:
 
     def job_ids(self) -> list[int]:
         return [e.job.id for e in self.entries]
+
+    per_rank = True  # each rank's buffer is its own (train.checkpoint.Stateful)
+
+    def state_dict(self) -> dict:
+        return {"buffer": self.job_ids()}
+
+    def load_state_dict(self, state) -> None:
+        """Remember the checkpointed contents; the trainer re-admits them through its source once
+        the manifest is reconciled (:attr:`to_readmit`)."""
+        self.to_readmit = [int(i) for i in state["buffer"]]
 
     def admit(self, jobs: list[Job]) -> None:
         """Add taken jobs (in order) and start reading them."""

@@ -25,6 +25,11 @@ Format, version :data:`FORMAT_VERSION` (one directory per checkpoint; no pickle 
                                            kwargs; dflash eval renders prompts with it),
                                    "time": unix seconds}
 
+In memory the format is one :class:`TrainerState`. Each stateful component of the trainer gives
+and restores its own part of it (:class:`Stateful`: ``state_dict`` / ``load_state_dict``), so
+adding a component is registering it in one place (``Trainer.states``); a component marked
+``per_rank`` gives one value per rank, stored as a list over ranks under each of its keys.
+
 A checkpoint is written with :func:`dflash_staged.fsutil.atomic_dir` (temporary sibling, every file
 fsynced, renamed into place, parent fsynced): a directory named ``step_X`` is always complete. Only the newest
 checkpoint is a resume point; the last ``keep`` are kept. The trainer deletes (or keeps) a
@@ -40,14 +45,17 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import atomic_dir, dir_bytes
+from dflash_staged.train.ledger import Consumed
 
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -60,6 +68,90 @@ class CheckpointError(DflashError):
 class CheckpointDiskFullError(DflashError):
     """No space left on the disk of the run directory while a checkpoint was written: nothing of it is
     left, the older checkpoints and the manifest are intact, and a rerun resumes from the newest."""
+
+
+class Stateful(Protocol):
+    """A trainer component that gives and restores its own part of a checkpoint.
+
+    ``state_dict()`` returns the keys it owns: tensors go to ``trainer_state.safetensors``, every
+    other value (JSON-able) to ``trainer_state.json``; no two components may own the same key.
+    ``load_state_dict(state)`` reads them back from a :class:`TrainerState` (or, for a component
+    whose class sets ``per_rank = True``, from its rank's view of it)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainerState(Mapping):
+    """One checkpoint's trainer state: the JSON values and the tensors, read as one mapping."""
+    values: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    path: Path | None = None  # where it was read from (for messages)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key] if key in self.values else self.tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.values, *self.tensors])
+
+    def __len__(self) -> int:
+        return len(self.values) + len(self.tensors)
+
+    def for_rank(self, rank: int) -> Mapping[str, Any]:
+        """What a ``per_rank`` component of ``rank`` reads: each value is its rank's element."""
+        return _RankView(self, rank)
+
+    def consumed(self) -> dict[int, list[Consumed]]:
+        """step -> the jobs it trained on (the ledger's record)."""
+        return {int(s): [Consumed(*c) for c in v] for s, v in self.values.get("consumed", {}).items()}
+
+    def consumed_jobs(self) -> dict[int, int]:
+        """job id -> the step that consumed it."""
+        return {c.job: step for step, items in self.consumed().items() for c in items}
+
+    @classmethod
+    def collect(cls, states: dict[str, Stateful], gather: Callable[[Any], list]) -> TrainerState:
+        """Every component's part (collective: ``gather`` collects a per-rank value from every rank)."""
+        values: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        owner: dict[str, str] = {}
+        for name, comp in states.items():
+            part = comp.state_dict()
+            if getattr(comp, "per_rank", False):
+                bad = [k for k, v in part.items() if torch.is_tensor(v)]
+                if bad:
+                    raise ValueError(f"trainer component {name!r} is per rank: its part must be JSON values, "
+                                     f"not the tensor {bad[0]!r}")
+                ranks = gather(part)  # this component's part of every rank
+                part = {k: [r[k] for r in ranks] for k in part}
+            for k, v in part.items():
+                if k in owner or k == "format_version":
+                    raise ValueError(f"trainer components {owner.get(k, 'checkpoint')!r} and {name!r} "
+                                     f"both write the checkpoint key {k!r}")
+                owner[k] = name
+                (tensors if torch.is_tensor(v) else values)[k] = v
+        return cls(values, tensors)
+
+    def restore(self, states: dict[str, Stateful], rank: int) -> None:
+        """Give every component its part back, in registration order."""
+        for comp in states.values():
+            comp.load_state_dict(self.for_rank(rank) if getattr(comp, "per_rank", False) else self)
+
+
+class _RankView(Mapping):
+    def __init__(self, state: TrainerState, rank: int):
+        self.state, self.rank = state, rank
+
+    def __getitem__(self, key: str) -> Any:
+        return self.state.values[key][self.rank]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state.values)
+
+    def __len__(self) -> int:
+        return len(self.state.values)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -100,8 +192,8 @@ def cleanup_tmp(run_dir: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: Path, step: int, *, write_drafter: Callable[[Path], None],
-                    tensors: dict[str, torch.Tensor], state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, *, write_drafter: Callable[[Path], None], state: TrainerState,
+                    keep: int) -> Path:
     """Write checkpoint ``step`` atomically. ``write_drafter(dir)`` writes config.json + model.safetensors.
     A full disk is a :class:`CheckpointDiskFullError` naming the bytes needed, with nothing left behind."""
     drafter_bytes = None
@@ -109,14 +201,14 @@ def save_checkpoint(run_dir: Path, step: int, *, write_drafter: Callable[[Path],
         with atomic_dir(checkpoints_dir(run_dir) / f"step_{step:08d}", replace=True) as tmp:
             write_drafter(tmp)
             drafter_bytes = dir_bytes(tmp)
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.tensors.items()},
                       str(tmp / "trainer_state.safetensors"))
-            (tmp / "trainer_state.json").write_text(json.dumps({**state, "format_version": FORMAT_VERSION},
-                                                               sort_keys=True))
+            values = {**state.values, "format_version": FORMAT_VERSION}
+            (tmp / "trainer_state.json").write_text(json.dumps(values, sort_keys=True))
     except Exception as e:
         if not _disk_full(e):
             raise
-        raise _full_error(run_dir, step, tensors, drafter_bytes) from None
+        raise _full_error(run_dir, step, state.tensors, drafter_bytes) from None
     for _, p in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     return checkpoints_dir(run_dir) / f"step_{step:08d}"
@@ -147,8 +239,8 @@ def _full_error(run_dir: Path, step: int, tensors: dict[str, torch.Tensor],
         "written) and rerun the same command: it resumes from the newest checkpoint")
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, state) of a checkpoint directory; CheckpointError if it cannot be read."""
+def load_checkpoint(path: Path) -> TrainerState:
+    """The trainer state of a checkpoint directory; CheckpointError if it cannot be read."""
     try:
         tensors = load_file(str(path / "trainer_state.safetensors"))
         state = json.loads((path / "trainer_state.json").read_text())
@@ -161,9 +253,4 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has trainer-state format_version {version}; this dflash-staged "
                               f"reads {FORMAT_VERSION}: resume it with the version that wrote it, or start a new --out")
-    return tensors, state
-
-
-def consumed_jobs(state: dict[str, Any]) -> dict[int, int]:
-    """job id -> step, from a checkpoint's per-step consumption record."""
-    return {int(j[0]): int(step) for step, items in state.get("consumed", {}).items() for j in items}
+    return TrainerState(state, tensors, Path(path))

@@ -37,6 +37,11 @@ class Consumed(NamedTuple):
     digest: str = ""  # token_digest() of the ids trained ("" in checkpoints older than the digest)
 
 
+def read_record(raw: dict[str, list]) -> dict[int, list[Consumed]]:
+    """A checkpoint's ``consumed`` record as ``step -> [Consumed, ...]``."""
+    return {int(s): [Consumed(*c) for c in v] for s, v in raw.items()}
+
+
 def token_digest(ids) -> str:
     """xxh3-64 of a job's packed token ids as int32, in the plan's sample order: what the model saw."""
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(np.asarray(ids, dtype=np.int32)).tobytes())
@@ -76,10 +81,14 @@ class Ledger:
         if self.writes:
             self._release([j.id for j in self.m.consumed_upto(step)])
 
-    def restore(self, consumed: dict[str, list], step: int) -> None:
-        """The record of a checkpoint at ``step`` (resume)."""
-        self.consumed = {int(s): [Consumed(*c) for c in v] for s, v in consumed.items()}
-        self.checkpointed = step
+    def state_dict(self) -> dict:
+        """The record (train.checkpoint.Stateful)."""
+        return {"consumed": {str(s): [list(c) for c in v] for s, v in sorted(self.consumed.items())}}
+
+    def load_state_dict(self, state) -> None:
+        """The record of a checkpoint at ``state["step"]`` (resume)."""
+        self.consumed = read_record(state["consumed"])
+        self.checkpointed = int(state["step"])
 
     def reconcile(self) -> None:
         """Make the manifest agree with the record (resume, rank 0 of a live run)."""

@@ -113,7 +113,7 @@ def train_loop(t: Trainer) -> int:
         t.optim.step(lr, stats["weight_sum"])
         t.step += 1
         mine = [consumed_item(job, dist.rank, shard) for job, shard in local]
-        jobs = [Consumed(*c) for c in dist.gather_jobs(mine)]
+        jobs: list[Consumed] = dist.gather_jobs(mine)
         t.ledger.record(t.step, jobs)
         step_s = time.perf_counter() - t_step
 

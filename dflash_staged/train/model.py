@@ -17,6 +17,7 @@ from dflash_staged.config import TrainConfig
 from dflash_staged.model.drafter import DFlashDrafter
 from dflash_staged.model.flex_blocks import resolve_attention
 from dflash_staged.model.weights import write_drafter_files
+from dflash_staged.errors import DflashError
 from dflash_staged.train.objective import dflash_loss, noise_std_at
 
 
@@ -57,6 +58,20 @@ class DrafterModel:
     def add_stats(acc: dict, st: dict) -> None:
         for k in acc:
             acc[k] += st[k].detach().to(acc[k].dtype)
+
+    def state_dict(self) -> dict:
+        """The drafter's config (train.checkpoint.Stateful; its weights are the optimizer's masters,
+        and the servable drafter files are written beside the state by :meth:`write_drafter`)."""
+        return {"drafter_config": self.drafter.dcfg.to_dict()}
+
+    def load_state_dict(self, state) -> None:
+        """Refuse a checkpoint of another drafter config (the dtype may differ)."""
+        have, want = state["drafter_config"], self.drafter.dcfg.to_dict()
+        diffs = [f"{k}: {have.get(k)!r} -> {want.get(k)!r}" for k in sorted(set(have) | set(want))
+                 if have.get(k) != want.get(k) and k not in ("dtype", "torch_dtype")]
+        if diffs:
+            raise DflashError(f"checkpoint {getattr(state, 'path', '')} was trained with another drafter config "
+                              f"({'; '.join(diffs[:6])}); use a new --out for this config")
 
     def write_drafter(self, d) -> None:
         """The servable reference-format drafter (config.json + model.safetensors) into directory ``d``."""

@@ -61,11 +61,11 @@ class Optimizer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    # -- checkpoint ------------------------------------------------------------------------------
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], int]:
+    # -- checkpoint (train.checkpoint.Stateful) ------------------------------------------------------
+    def state_dict(self) -> dict:
         """fp32 masters and AdamW moments as flat named tensors (see the checkpoint format), and
-        AdamW's step count."""
-        out = {f"master.{n}": p.detach().float() for n, p in self.params.items()}
+        AdamW's step count ``opt_steps``."""
+        out: dict = {f"master.{n}": p.detach().float() for n, p in self.params.items()}
         steps = 0
         for p, st in self.opt.state.items():
             if st:
@@ -73,14 +73,15 @@ class Optimizer:
                 out[f"opt.{n}.exp_avg"] = st["exp_avg"]
                 out[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"]
                 steps = int(st["step"].item() if torch.is_tensor(st["step"]) else st["step"])
-        return out, steps
+        return {**out, "opt_steps": steps}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], steps: int) -> None:
+    def load_state_dict(self, state) -> None:
+        steps = float(state["opt_steps"])
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(tensors[f"master.{n}"].to(p.device, p.dtype))
+                p.copy_(state[f"master.{n}"].to(p.device, p.dtype))
         for n, p in self.params.items():
-            if f"opt.{n}.exp_avg" in tensors:
-                self.opt.state[p] = {"step": torch.tensor(float(steps)),
-                                     "exp_avg": tensors[f"opt.{n}.exp_avg"].to(p.device, p.dtype),
-                                     "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].to(p.device, p.dtype)}
+            if f"opt.{n}.exp_avg" in state:
+                self.opt.state[p] = {"step": torch.tensor(steps),
+                                     "exp_avg": state[f"opt.{n}.exp_avg"].to(p.device, p.dtype),
+                                     "exp_avg_sq": state[f"opt.{n}.exp_avg_sq"].to(p.device, p.dtype)}

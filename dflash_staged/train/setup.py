@@ -145,21 +145,4 @@ def load_order(path: Path) -> dict[int, list[int]]:
     latest = ckpt.latest_checkpoint(path)
     if latest is None:
         raise DflashError(f"--order-from {path}: no checkpoint there to read the draw order from")
-    _, state = ckpt.load_checkpoint(latest)
-    return {int(s): [int(j[0]) for j in items] for s, items in state["consumed"].items()}
-
-
-def check_resumable(latest: Path, state: dict, m: Manifest, dcfg: dict, world: int) -> None:
-    """Refuse a checkpoint of another manifest, drafter config or number of ranks."""
-    if state["manifest_id"] != m.manifest_id:
-        raise DflashError(f"checkpoint {latest} belongs to manifest {state['manifest_id']}, not {m.address} "
-                          f"({m.manifest_id}); use a new --out for this manifest")
-    have = state["drafter_config"]
-    diffs = [f"{k}: {have.get(k)!r} -> {dcfg.get(k)!r}" for k in sorted(set(have) | set(dcfg))
-             if have.get(k) != dcfg.get(k) and k not in ("dtype", "torch_dtype")]
-    if diffs:
-        raise DflashError(f"checkpoint {latest} was trained with another drafter config ({'; '.join(diffs[:6])}); "
-                          "use a new --out for this config")
-    if state.get("world", 1) != world:
-        raise DflashError(f"checkpoint {latest} was written by {state.get('world', 1)} rank(s), this run has "
-                          f"{world}; resume with the same number of trainer ranks")
+    return {step: [c.job for c in items] for step, items in ckpt.load_checkpoint(latest).consumed().items()}

@@ -48,6 +48,12 @@ class LiveSource:
     def finished(self) -> bool:
         return self.m.extract_done() and self.m.ready_count() == 0
 
+    def state_dict(self) -> dict:  # the manifest is the live source's state
+        return {"replay_pos": None}
+
+    def load_state_dict(self, state) -> None:
+        pass
+
     def forced_step(self, step: int) -> list:
         return []
 
@@ -117,6 +123,13 @@ class ReplaySource:
 
     def finished(self) -> bool:
         return self.pos >= len(self.sequence)
+
+    def state_dict(self) -> dict:
+        return {"replay_pos": self.pos}
+
+    def load_state_dict(self, state) -> None:
+        if state.get("replay_pos") is not None:
+            self.pos = int(state["replay_pos"])
 
     def forced_step(self, step: int) -> list:
         if not self.order:

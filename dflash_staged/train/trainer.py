@@ -6,7 +6,9 @@ autocast, the objective), :class:`~dflash_staged.train.optim.Optimizer` (AdamW, 
 a shard source (:mod:`dflash_staged.train.sources`: the live manifest or a kept store) feeding a
 :class:`~dflash_staged.train.buffer.ShardBuffer`, the :class:`~dflash_staged.train.ledger.Ledger`
 (consume, release, resume), the :class:`~dflash_staged.train.metrics.MetricsLog`, and
-checkpoints (:mod:`dflash_staged.train.checkpoint`, whose docstring is the format).
+checkpoints (:mod:`dflash_staged.train.checkpoint`, whose docstring is the format). Every
+stateful component gives and restores its own part of a checkpoint; :func:`build_trainer`
+registers them, in restore order, in ``Trainer.states``: the one place to add one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import base64
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,12 +38,20 @@ from dflash_staged.train.progress import Progress
 from dflash_staged.train.sources import LiveSource, ReplaySource
 
 
-def gen_state(g: torch.Generator) -> str:
-    return base64.b64encode(g.get_state().numpy().tobytes()).decode()
+class Generators:
+    """This rank's random generators (buffer draws, anchors), as one checkpoint component."""
+    per_rank = True
 
+    def __init__(self, **gens: torch.Generator):
+        self.gens = gens
 
-def set_gen_state(g: torch.Generator, s: str) -> None:
-    g.set_state(torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8))
+    def state_dict(self) -> dict:
+        return {"generators": {k: base64.b64encode(g.get_state().numpy().tobytes()).decode()
+                               for k, g in self.gens.items()}}
+
+    def load_state_dict(self, state) -> None:
+        for k, g in self.gens.items():
+            g.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generators"][k])), dtype=torch.uint8))
 
 
 @dataclass
@@ -62,6 +72,7 @@ class Trainer:
     draw_gen: torch.Generator
     total_steps: int
     step: int = 0
+    states: dict[str, ckpt.Stateful] = field(default_factory=dict)  # checkpointed components, restore order
 
     @property
     def device(self) -> torch.device:
@@ -73,21 +84,31 @@ class Trainer:
             return
         # a trainer another one replaced (cut off past its lease) writes no checkpoint, on no rank
         raise_together(self, (lambda: None) if self.opts.replay else self.m.check_fence)
-        buffers = self.dist.gather_obj(self.buffer.job_ids())
-        gens = self.dist.gather_obj({"draw": gen_state(self.draw_gen), "anchor": gen_state(self.model.anchor_gen)})
+        state = ckpt.TrainerState.collect(self.states, self.dist.gather_obj)
         if self.dist.rank == 0:
-            tensors, opt_steps = self.optim.state_tensors()
-            state = {"step": self.step, "total_steps": self.total_steps, "manifest_id": self.m.manifest_id,
-                     "mode": "replay" if self.opts.replay else "live", "opt_steps": opt_steps,
-                     "consumed": {str(s): v for s, v in sorted(self.ledger.consumed.items())},
-                     "buffer": buffers, "generators": gens, "world": self.dist.world,
-                     "replay_pos": getattr(self.source, "pos", None), "config": self.cfg.to_dict(),
-                     "drafter_config": self.model.drafter.dcfg.to_dict(), "time": time.time(),
-                     "chat": self.m.meta.get("chat")}
-            ckpt.save_checkpoint(self.opts.out, self.step, write_drafter=self.model.write_drafter, tensors=tensors,
-                                 state=state, keep=self.cfg.train.keep_checkpoints)
+            ckpt.save_checkpoint(self.opts.out, self.step, write_drafter=self.model.write_drafter, state=state,
+                                 keep=self.cfg.train.keep_checkpoints)
         self.dist.barrier()
         self.ledger.checkpoint_done(self.step)
+
+    # -- the run's own part of a checkpoint (train.checkpoint.Stateful) -----------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "total_steps": self.total_steps, "manifest_id": self.m.manifest_id,
+                "mode": "replay" if self.opts.replay else "live", "world": self.dist.world,
+                "config": self.cfg.to_dict(), "time": time.time(), "chat": self.m.meta.get("chat")}
+
+    def load_state_dict(self, state) -> None:
+        """Refuse a checkpoint of another manifest or number of ranks; continue its step count."""
+        where = getattr(state, "path", "")
+        if state["manifest_id"] != self.m.manifest_id:
+            raise DflashError(f"checkpoint {where} belongs to manifest {state['manifest_id']}, not "
+                              f"{self.m.address} ({self.m.manifest_id}); use a new --out for this manifest")
+        if state.get("world", 1) != self.dist.world:
+            raise DflashError(f"checkpoint {where} was written by {state.get('world', 1)} rank(s), this run has "
+                              f"{self.dist.world}; resume with the same number of trainer ranks")
+        self.step = int(state["step"])
+        if self.opts.total_steps is None:
+            self.total_steps = int(state["total_steps"])  # the schedule continues as it began
 
     def close(self) -> None:
         if self.dist.rank == 0 and self.step > 0:
@@ -117,8 +138,9 @@ class Trainer:
             print(f"train: no metrics.png ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
 
-def build_trainer(opts: TrainOptions) -> Trainer:
-    """Open everything a run needs, resume from the newest checkpoint in ``opts.out`` if any."""
+def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | None = None) -> Trainer:
+    """Open everything a run needs, resume from the newest checkpoint in ``opts.out`` if any
+    (``extra_states``: more checkpointed components, restored after the built-in ones)."""
     bound_host_memory()
     device = setup.pick_device(opts.device)
     dist = Dist(device)
@@ -151,6 +173,9 @@ def build_trainer(opts: TrainOptions) -> Trainer:
                 progress=Progress(0, enabled=dist.rank == 0),
                 draw_gen=torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17 + dist.rank),
                 total_steps=opts.total_steps or natural)
+    t.states = {"trainer": t, "model": t.model, "optim": t.optim, "ledger": t.ledger, "source": t.source,
+                "buffer": t.buffer, "rng": Generators(draw=t.draw_gen, anchor=t.model.anchor_gen),
+                **(extra_states or {})}
     resume(t)
     t.progress.total = t.total_steps
     return t
@@ -160,30 +185,17 @@ def resume(t: Trainer) -> None:
     """Restore the newest checkpoint (if any) and reconcile the manifest with it."""
     opts, m, dist = t.opts, t.m, t.dist
     latest = ckpt.latest_checkpoint(opts.out)
-    state = None
     if latest is None:
         c = m.counts()
         if not opts.replay and (c["released"] or c["kept"]):
-            from dflash_staged.errors import DflashError
             raise DflashError(f"{m.address} was already partly trained ({c['released'] + c['kept']} shards consumed "
                               f"and released) by a run whose checkpoints are not in {opts.out}; rerun with that "
                               "run's --out to resume it, or plan a new manifest")
     else:
-        tensors, state = ckpt.load_checkpoint(latest)
-        setup.check_resumable(latest, state, m, t.model.drafter.dcfg.to_dict(), dist.world)
-        t.optim.load_state_tensors(tensors, state["opt_steps"])
-        t.step = int(state["step"])
-        if opts.total_steps is None:
-            t.total_steps = int(state["total_steps"])  # the schedule continues as it began
-        t.ledger.restore(state["consumed"], t.step)
-        g = state["generators"][dist.rank]
-        set_gen_state(t.draw_gen, g["draw"])
-        set_gen_state(t.model.anchor_gen, g["anchor"])
-        if opts.replay and state.get("replay_pos") is not None:
-            t.source.pos = int(state["replay_pos"])
+        ckpt.load_checkpoint(latest).restore(t.states, dist.rank)
     t.ledger.reconcile()
     dist.barrier()
-    if state is not None:
-        t.source.admit_ids(t.buffer, [int(i) for i in state["buffer"][dist.rank]])
+    if t.buffer.to_readmit:
+        t.source.admit_ids(t.buffer, t.buffer.to_readmit)
     dist.barrier()  # every rank has its checkpointed buffer back before any takes new shards
     t.metrics.truncate(t.step)

@@ -62,8 +62,9 @@ def assert_exactly_once(mdir: Path, run_dir: Path) -> dict:
         all_ids = sorted(j.id for j in m.jobs())
     ck = latest_checkpoint(run_dir)
     assert ck is not None, f"no checkpoint in {run_dir}"
-    _, state = load_checkpoint(ck)
-    ids = [int(j[0]) for items in state["consumed"].values() for j in items]
+    state = load_checkpoint(ck)
+    record = state.consumed()
+    ids = [c.job for items in record.values() for c in items]
     dup = [i for i, n in Counter(ids).items() if n > 1]
     assert not dup, f"jobs consumed more than once: {dup}"
     assert sorted(ids) == all_ids, f"lost jobs: {sorted(set(all_ids) - set(ids))}"
@@ -71,7 +72,7 @@ def assert_exactly_once(mdir: Path, run_dir: Path) -> dict:
     assert [x["step"] for x in lines] == list(range(1, state["step"] + 1))
     assert sorted(j for x in lines for j in x["jobs"]) == all_ids
     for x in lines:
-        assert x["jobs"] == [int(j[0]) for j in state["consumed"][str(x["step"])]], x
+        assert x["jobs"] == [c.job for c in record[x["step"]]], x
     assert_fed_as_planned(mdir, lines)
     return state
 

@@ -143,7 +143,7 @@ def test_checkpoint_on_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path):
 
 def test_full_disk_anywhere_in_a_checkpoint_is_checkpoint_disk_full_error(tmp_path):
     """An OSError ENOSPC (config.json, the weights) is the same one-line error; other errors are not."""
-    from dflash_staged.train.checkpoint import CheckpointDiskFullError, save_checkpoint
+    from dflash_staged.train.checkpoint import CheckpointDiskFullError, TrainerState, save_checkpoint
 
     def full(d):
         (d / "config.json").write_text("{}")
@@ -152,9 +152,9 @@ def test_full_disk_anywhere_in_a_checkpoint_is_checkpoint_disk_full_error(tmp_pa
     def broken(d):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    tensors = {"master.w": torch.zeros(300)}
+    state = TrainerState({}, {"master.w": torch.zeros(300)})
     with pytest.raises(CheckpointDiskFullError, match=r"step_00000007 \(1600 bytes needed"):
-        save_checkpoint(tmp_path, 7, write_drafter=full, tensors=tensors, state={}, keep=2)
+        save_checkpoint(tmp_path, 7, write_drafter=full, state=state, keep=2)
     with pytest.raises(OSError, match="Input/output error"):
-        save_checkpoint(tmp_path, 7, write_drafter=broken, tensors=tensors, state={}, keep=2)
+        save_checkpoint(tmp_path, 7, write_drafter=broken, state=state, keep=2)
     assert list((tmp_path / "checkpoints").iterdir()) == []

@@ -229,6 +229,6 @@ def test_trainer_ranks_on_two_nodes(tmp_path, pg):
     assert all(p.returncode == 0 for p in procs) and "Traceback" not in logs, logs[-4000:]
     assert seen == {("node-0", 0), ("node-1", 1)}, seen
     state = assert_exactly_once(url, run_dir)
-    assert {int(j[1]) for items in state["consumed"].values() for j in items} == {0, 1}
+    assert {c.rank for items in state.consumed().values() for c in items} == {0, 1}
     m.close()
     assert_all_released_and_clean(url, store, run_dir)
