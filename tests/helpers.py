@@ -1,4 +1,5 @@
-"""Shared test helpers: datasets and configs, planning, and running the CLI (in this process or as a subprocess)."""
+"""Shared test helpers: datasets and configs, planning, running the CLI (in this process or as a
+subprocess), and tiny drafters with packed batches for the model tests."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from dflash_staged.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -26,6 +32,21 @@ def write_dataset(path: Path, n: int = 24, seed: int = 0, lo: int = 24, hi: int 
             mask = [0] * prompt + [1] * (L - prompt)
             f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
     return path
+
+
+def cfg_for(*bases: dict, **overrides) -> Config:
+    """A Config in code: the defaults, then each of ``bases`` in turn, then ``overrides``; keys are
+    ``section__field`` (``cfg_for(BASE, data__max_len=8)``). Built like a config file's tables: a wrong
+    key or a value of the wrong type fails as it would there."""
+    from dflash_staged.config import config_from_dict
+    raw: dict[str, dict] = {}
+    for values in (*bases, overrides):
+        for key, value in values.items():
+            section, sep, name = key.partition("__")
+            if not sep:
+                raise TypeError(f"cfg_for: {key!r} is not section__field (e.g. data__max_len)")
+            raw.setdefault(section, {})[name] = value
+    return config_from_dict(raw, "cfg_for")
 
 
 def write_config(path: Path, extra: str = "", base: Path = TINY) -> Path:
@@ -135,3 +156,46 @@ def demo_prepare():
         sys.modules["demo_prepare"] = mod
         spec.loader.exec_module(mod)
     return sys.modules["demo_prepare"]
+
+
+H, V = 64, 300  # the model tests' hidden size and vocabulary
+
+
+def make_drafter(layers=2, heads=4, kv=2, block=6, k_taps=3, seed=0, vocab=V, hidden=H):
+    """A float32 drafter with random embedding, head and (non-trivial) norms, reproducible from ``seed``."""
+    from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+    g = torch.Generator().manual_seed(seed + 1000)
+    embed = torch.randn(vocab, hidden, generator=g)
+    head = torch.randn(vocab, hidden, generator=g) * 0.2
+    dcfg = DraftModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
+                            vocab_size=vocab, block_size=block, num_target_layers=8,
+                            target_layer_ids=[1, 3, 5][:k_taps], mask_token_id=vocab - 1, dtype="float32",
+                            rope_theta=10000.0)
+    torch.manual_seed(seed)
+    m = DFlashDrafter(dcfg, embed, head)
+    with torch.no_grad():  # non-trivial norms, so a wrong norm placement would show
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def packed_batch(lengths, k_taps=3, seed=0, loss_mask_p=1.0):
+    """Random packed sequences of ``lengths``: ``k_taps`` layers of hidden states, ids, loss mask, cu_seqlens."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()))
+    lm = (torch.rand(T, generator=g) < loss_mask_p).float()
+    return dict(hidden=torch.randn(T, k_taps, H, generator=g),
+                input_ids=torch.randint(0, V - 1, (T,), generator=g), loss_mask=lm, cu_seqlens=cu)
+
+
+def one_by_one(m, batch, anchors):
+    """Inference-style logits: one block at a time, context cut at the anchor."""
+    cu = batch["cu_seqlens"].tolist()
+    out = []
+    for a in anchors.tolist():
+        s = max(c for c in cu[:-1] if c <= a)
+        out.append(m.draft_block(batch["hidden"][s:a], batch["input_ids"][a]))
+    return torch.stack(out)

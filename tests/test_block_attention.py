@@ -12,7 +12,7 @@ from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visib
 from dflash_staged.model.drafter import DFlashDrafter
 from dflash_staged.model.flex_blocks import FlexBlocks, bucket, resolve_attention
 from dflash_staged.train.objective import dflash_loss
-from test_drafter import make_drafter, packed_batch
+from helpers import make_drafter, packed_batch
 
 LENGTHS = [23, 9, 31]
 ANCHORS = torch.tensor([40, 0, 23, 5, 31, 32, 62, 1, 22, 60, 50, 17])  # unsorted; starts, ends, past the end

@@ -7,15 +7,13 @@ import numpy as np
 import pytest
 
 from dflash_staged.plan import dataset
-from dflash_staged.config import Config, DataConfig, DrafterConfig
 from dflash_staged.plan.dataset import DatasetError, load_dataset, tokenize_messages
 from dflash_staged.model.tiny import build_tiny_tokenizer
+from helpers import cfg_for
 
-
-def cfg_for(max_len=64, overlength="truncate", min_loss=2, mask_id=3):
-    return Config(data=DataConfig(max_len=max_len, overlength=overlength, token_budget=max(256, max_len),
-                                  min_loss_tokens=min_loss),
-                  drafter=DrafterConfig(block_size=4, mask_token_id=mask_id))
+# cfg_for's base here: short lines, at least 2 loss tokens, a 4-token block, the tiny tokenizer's <mask> (3)
+DATASET = dict(data__max_len=64, data__overlength="truncate", data__token_budget=256, data__min_loss_tokens=2,
+               drafter__block_size=4, drafter__mask_token_id=3)
 
 
 def write(path, lines):
@@ -35,7 +33,7 @@ def tok():
 def test_pretokenised_roundtrip_and_hash(tmp_path, monkeypatch):
     monkeypatch.setattr(dataset, "_load_tokenizer", lambda *_: pytest.fail("tokenizer loaded needlessly"))
     p = write(tmp_path / "d.jsonl", [row([4, 5, 6], [0, 1, 1]), "", row(range(10, 20))])
-    s, digest = load_dataset(p, cfg_for())
+    s, digest = load_dataset(p, cfg_for(DATASET))
     assert digest == hashlib.sha256(p.read_bytes()).hexdigest()
     assert len(s) == 2 and s.lengths().tolist() == [3, 10]
     assert s.lines.tolist() == [1, 3]
@@ -49,24 +47,24 @@ def test_pretokenised_roundtrip_and_hash(tmp_path, monkeypatch):
 def test_overlength_truncate_and_skip_and_short_loss(tmp_path):
     lines = [row(range(4, 24)), row(range(4, 9)), row(range(4, 14), [1] + [0] * 9)]
     p = write(tmp_path / "d.jsonl", lines)
-    s, _ = load_dataset(p, cfg_for(max_len=8, min_loss=2))
+    s, _ = load_dataset(p, cfg_for(DATASET, data__max_len=8))
     assert s.lengths().tolist() == [8, 5]
     assert s.sample(0)[0].tolist() == list(range(4, 12))
     assert (s.stats["truncated"], s.stats["skipped_long"], s.stats["skipped_short_loss"]) == (2, 0, 1)
-    s, _ = load_dataset(p, cfg_for(max_len=8, overlength="skip", min_loss=2))
+    s, _ = load_dataset(p, cfg_for(DATASET, data__max_len=8, data__overlength="skip"))
     assert s.lengths().tolist() == [5]
     assert (s.stats["truncated"], s.stats["skipped_long"], s.stats["skipped_short_loss"]) == (0, 2, 0)
     # loss tokens are counted after truncation: only 1 of the first 8 positions carries loss
     p2 = write(tmp_path / "e.jsonl", [row(range(4, 24), [0] * 7 + [1] * 13), row(range(4, 9))])
-    s, _ = load_dataset(p2, cfg_for(max_len=8, min_loss=2))
+    s, _ = load_dataset(p2, cfg_for(DATASET, data__max_len=8))
     assert s.stats["skipped_short_loss"] == 1 and s.lines.tolist() == [2]
 
 
 def test_skip_bad_counts_and_first_error_otherwise(tmp_path):
     p = write(tmp_path / "d.jsonl", [row([4, 5]), "{oops", row([4, 3000]), row([6, 7])])
     with pytest.raises(DatasetError, match=r"d\.jsonl:2: field \(line\): malformed JSON"):
-        load_dataset(p, cfg_for())
-    s, _ = load_dataset(p, cfg_for(), skip_bad=True)
+        load_dataset(p, cfg_for(DATASET))
+    s, _ = load_dataset(p, cfg_for(DATASET), skip_bad=True)
     assert s.stats["bad"] == 2 and s.lines.tolist() == [1, 4]
     assert "d.jsonl:3: field input_ids" in s.bad_examples[1]
 
@@ -92,7 +90,7 @@ def test_skip_bad_counts_and_first_error_otherwise(tmp_path):
 def test_bad_line_messages(tmp_path, line, field, what):
     p = write(tmp_path / "d.jsonl", [row([4, 5]), line])
     with pytest.raises(DatasetError) as e:
-        load_dataset(p, cfg_for())
+        load_dataset(p, cfg_for(DATASET))
     msg = str(e.value)
     assert msg.startswith(f"{p}:2: field {field}: ") and what in msg and "--skip-bad" in msg
 
@@ -101,15 +99,15 @@ def test_non_utf8_empty_and_nothing_usable(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_bytes(b'{"input_ids": [4], "loss_mask": [1]}\n{"input_ids": [4, 5], "x": "\xff"}\n')
     with pytest.raises(DatasetError, match=r"d\.jsonl:2: .*byte \d+ is not valid UTF-8"):
-        load_dataset(p, cfg_for(min_loss=1))
+        load_dataset(p, cfg_for(DATASET, data__min_loss_tokens=1))
     p.write_text("\n  \n")
     with pytest.raises(DatasetError, match="is empty"):
-        load_dataset(p, cfg_for())
+        load_dataset(p, cfg_for(DATASET))
     write(p, [row([4, 5], [0, 1])])
     with pytest.raises(DatasetError, match="no usable samples.*1 with fewer than 2 loss tokens"):
-        load_dataset(p, cfg_for())
+        load_dataset(p, cfg_for(DATASET))
     with pytest.raises(DatasetError, match="cannot read the data file"):
-        load_dataset(tmp_path / "missing.jsonl", cfg_for())
+        load_dataset(tmp_path / "missing.jsonl", cfg_for(DATASET))
 
 
 def loss_texts(tok, ids, mask):
@@ -176,11 +174,11 @@ def test_messages_lines_in_a_file(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(dataset, "_load_tokenizer", lambda *_: tok)
     conv = CONV[:3]
     p = write(tmp_path / "d.jsonl", [{"messages": conv}, row(range(4, 12))])
-    s, _ = load_dataset(p, cfg_for())
+    s, _ = load_dataset(p, cfg_for(DATASET))
     ids, mask = s.sample(0)
     want_ids, want_mask = tokenize_messages(tok, conv)
     assert ids.tolist() == want_ids.tolist() and mask.tolist() == want_mask.tolist()
     # the tiny tokenizer maps the literal "<mask>" to id 3, the drafter's mask id: a bad line
     write(p, [{"messages": [{"role": "user", "content": "a <mask> b"}, {"role": "assistant", "content": "c d"}]}])
     with pytest.raises(DatasetError, match=r"d\.jsonl:1: field messages \(tokenised\): contains the drafter's mask"):
-        load_dataset(p, cfg_for())
+        load_dataset(p, cfg_for(DATASET))

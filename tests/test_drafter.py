@@ -8,50 +8,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from dflash_staged.model import block_attention
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafter import DFlashDrafter
 from dflash_staged.errors import DflashError
 from dflash_staged.train.objective import (block_labels, decay_weights, dflash_loss, head_loss, noise_std_at,
                                            per_offset_accuracy, sample_anchors, training_tau)
-
-H, V = 64, 300
-
-
-
-def make_drafter(layers=2, heads=4, kv=2, block=6, k_taps=3, seed=0, vocab=V, hidden=H):
-    g = torch.Generator().manual_seed(seed + 1000)
-    embed = torch.randn(vocab, hidden, generator=g)
-    head = torch.randn(vocab, hidden, generator=g) * 0.2
-    dcfg = DraftModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                            num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
-                            vocab_size=vocab, block_size=block, num_target_layers=8,
-                            target_layer_ids=[1, 3, 5][:k_taps], mask_token_id=vocab - 1, dtype="float32",
-                            rope_theta=10000.0)
-    torch.manual_seed(seed)
-    m = DFlashDrafter(dcfg, embed, head)
-    with torch.no_grad():  # non-trivial norms, so a wrong norm placement would show
-        for p in m.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    return m
-
-
-def packed_batch(lengths, k_taps=3, seed=0, loss_mask_p=1.0):
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()))
-    lm = (torch.rand(T, generator=g) < loss_mask_p).float()
-    return dict(hidden=torch.randn(T, k_taps, H, generator=g), input_ids=torch.randint(0, V - 1, (T,), generator=g),
-                loss_mask=lm, cu_seqlens=cu)
-
-
-def one_by_one(m, batch, anchors):
-    """Inference-style logits: one block at a time, context cut at the anchor."""
-    cu = batch["cu_seqlens"].tolist()
-    out = []
-    for a in anchors.tolist():
-        s = max(c for c in cu[:-1] if c <= a)
-        out.append(m.draft_block(batch["hidden"][s:a], batch["input_ids"][a]))
-    return torch.stack(out)
+from helpers import H, V, make_drafter, one_by_one, packed_batch
 
 
 @pytest.mark.parametrize("heads,kv", [(4, 2), (4, 4), (4, 1)])

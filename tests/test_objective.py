@@ -9,7 +9,7 @@ from dflash_staged.train.loop import forward_backward
 from dflash_staged.train.model import DrafterModel
 from dflash_staged.train.objective import block_acceptance, block_labels, dflash_loss, sample_anchors, training_tau
 from dflash_staged.train.optim import Optimizer
-from test_drafter import make_drafter, one_by_one, packed_batch
+from helpers import make_drafter, one_by_one, packed_batch
 
 
 def test_candidates_reach_the_end_and_skip_unsupervised_next_tokens():

@@ -7,14 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_staged.config import Config, DataConfig
+from dflash_staged.config import DataConfig
 from dflash_staged.plan.batching import (PlanError, bucket_edges, epoch_order, make_batches, make_plan,
                                 random_batches_waste)
+from helpers import cfg_for
 
-
-def cfg_for(max_len=256, budget=1024, edges=(), num_buckets=4):
-    return Config(data=DataConfig(max_len=max_len, token_budget=budget, bucket_edges=list(edges),
-                                  num_buckets=num_buckets))
+# cfg_for's base here
+PLAN = dict(data__max_len=256, data__token_budget=1024, data__bucket_edges=[], data__num_buckets=4)
 
 
 lengths_st = st.lists(st.integers(1, 256), min_size=1, max_size=300).map(np.asarray)
@@ -30,7 +29,8 @@ def bucket_of(length, edges):
 @given(lengths=lengths_st, budget=st.integers(256, 4096), edges=edges_st, nb=st.integers(1, 8),
        epochs=st.integers(1, 3), seed=st.integers(0, 2**32))
 def test_plan_properties(lengths, budget, edges, nb, epochs, seed):
-    plan = make_plan(lengths, cfg_for(256, budget, edges, nb), epochs, seed)
+    plan = make_plan(lengths, cfg_for(PLAN, data__token_budget=budget, data__bucket_edges=list(edges),
+                                       data__num_buckets=nb), epochs, seed)
     jobs = list(plan.jobs())
     assert len(jobs) == epochs * len(plan.batches) == plan.num_jobs
     for e in range(epochs):
@@ -54,7 +54,7 @@ def test_plan_properties(lengths, budget, edges, nb, epochs, seed):
 @settings(max_examples=30, deadline=None)
 @given(lengths=lengths_st, seed=st.integers(0, 2**32))
 def test_same_seed_same_order_and_epochs_differ(lengths, seed):
-    cfg = cfg_for(budget=300)
+    cfg = cfg_for(PLAN, data__token_budget=300)
     a, b = make_plan(lengths, cfg, 3, seed), make_plan(lengths, cfg, 3, seed)
     ja, jb = list(a.jobs()), list(b.jobs())
     assert [(j.epoch, j.bucket, j.sample_ids) for j in ja] == [(j.epoch, j.bucket, j.sample_ids) for j in jb]
@@ -76,7 +76,7 @@ def test_epoch_orders_differ_and_seed_matters():
 
 def test_order_within_batch_is_fixed_across_epochs():
     lengths = np.random.default_rng(0).integers(1, 200, 500)
-    plan = make_plan(lengths, cfg_for(budget=512), 3, 1)
+    plan = make_plan(lengths, cfg_for(PLAN, data__token_budget=512), 3, 1)
     per_epoch = [{tuple(j.sample_ids) for j in plan.jobs() if j.epoch == e} for e in range(3)]
     assert per_epoch[0] == per_epoch[1] == per_epoch[2]
 
@@ -103,13 +103,14 @@ def test_plan_rejects_oversize_and_bad_args():
     with pytest.raises(PlanError, match="token_budget"):
         make_batches(np.array([10, 600]), [600], 512)
     with pytest.raises(PlanError, match="epochs"):
-        make_plan(np.array([3]), cfg_for(), 0, 0)
+        make_plan(np.array([3]), cfg_for(PLAN), 0, 0)
     with pytest.raises(PlanError, match="seed"):
-        make_plan(np.array([3]), cfg_for(), 1, -1)
+        make_plan(np.array([3]), cfg_for(PLAN), 1, -1)
 
 
 def test_sorted_batching_beats_random_on_long_tail():
     lengths = np.clip(np.random.default_rng(0).lognormal(4.5, 0.8, 20_000).astype(int), 8, 1024)
-    plan = make_plan(lengths, cfg_for(1024, 4096, num_buckets=8), 1, 0)
+    cfg = cfg_for(PLAN, data__max_len=1024, data__token_budget=4096, data__num_buckets=8)
+    plan = make_plan(lengths, cfg, 1, 0)
     assert plan.padding_waste <= 0.02
     assert random_batches_waste(lengths, 4096) > 5 * plan.padding_waste

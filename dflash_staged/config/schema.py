@@ -1,35 +1,19 @@
-"""Configuration: TOML files under ``configs/`` loaded into self-validating dataclasses.
+"""The config's schema: one dataclass per section, each field with its meaning and default, and
+the checks of each section's values (``__post_init__``, naming the fix in a :class:`ConfigError`).
 
-A config has five sections, each a dataclass below: ``[target]``, ``[data]``,
-``[drafter]``, ``[train]`` and ``[extract]``. Every field has a default, so a
-file only states what differs. Loading rejects unknown keys and wrong types
-with a :class:`ConfigError` naming the file, the key and the expected type;
-each dataclass's ``__post_init__`` checks values and names the fix.
-
-``dflash plan`` snapshots the resolved config into the manifest; ``extract``
-and ``train`` read it back from there (see :mod:`dflash_staged.manifest`), so
-both sides always agree. Runtime-only settings (devices, window, paths) can be
-overridden on their own command lines; :data:`RUNTIME_KEYS` lists them and
-:data:`REPLAY_OVERRIDABLE` lists what ``train --replay`` may change.
+Every field has a default, so a file only states what differs. A field whose default is 0 or -1
+"meaning derived" keeps that sentinel in the snapshot and is resolved where it is used (a
+property below, or the consumer named on the field), so one setting changed later (e.g. by
+``--set``) still moves everything derived from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import hashlib
-import math
-import sys
-import typing
+import json
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 
 from dflash_staged.errors import DflashError
 
@@ -43,22 +27,33 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def dflash_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The DFlash tap rule (what an empty ``target.target_layer_ids`` means):
+    round(1 + i*(L-4)/(k-1)) for i in 0..k-1, [L//2] for k == 1."""
+    L, k = num_target_layers, num_draft_layers
+    if k == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (k - 1)) for i in range(k)]
+
+
 @dataclass
 class TargetConfig:
     # "tiny:qwen3", "tiny:qwen3_moe", "tiny:qwen3_5", "tiny:qwen3_next" build a tiny random target in
     # code (see dflash_staged.tiny); anything else is a local directory or hub id.
     model: str = "tiny:qwen3"
-    gguf_file: str = ""
-    tokenizer: str = ""  # defaults to `model`
-    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
-    attn_implementation: str = "sdpa"
-    # Tapped layers; empty = the DFlash rule from drafter.num_hidden_layers.
+    gguf_file: str = ""  # a GGUF file to load the target from (inside `model` when that is a directory)
+    tokenizer: str = ""  # where to load the tokenizer from; empty = `model`
+    dtype: str = "auto"  # dtype the target runs in; auto = bfloat16 on CUDA, float32 on CPU
+    attn_implementation: str = "sdpa"  # the target's attention kernel (transformers' attn_implementation)
+    # Tapped layers; empty = the DFlash rule from drafter.num_hidden_layers (dflash_target_layers).
     target_layer_ids: list[int] = field(default_factory=list)
+    # Run on the slow PyTorch reference path when the target's fast kernels are missing (else refuse).
     allow_slow_kernels: bool = False
-    seed: int = 0
+    seed: int = 0  # weights seed of a tiny:* target (ignored for a real model)
 
     def __post_init__(self) -> None:
-        _check(bool(self.model), "target.model is empty: set it to a model directory, a hub id, or 'tiny:qwen3'")
+        _check(bool(self.model),
+               "target.model is empty: set it to a model directory, a hub id, or 'tiny:qwen3'")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"target.dtype={self.dtype!r}: use one of auto, float32, bfloat16, float16")
         _check(all(i >= 0 for i in self.target_layer_ids),
@@ -75,12 +70,12 @@ RENDER_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", 
 
 @dataclass
 class DataConfig:
-    max_len: int = 2048
-    overlength: str = "truncate"  # or "skip"
-    bucket_edges: list[int] = field(default_factory=list)  # empty = automatic quantiles
-    num_buckets: int = 8  # used when bucket_edges is empty
-    token_budget: int = 16384  # batch_size x longest <= token_budget
-    min_loss_tokens: int = 0  # 0 = 2 x drafter.block_size
+    max_len: int = 2048  # longest sample, in tokens; longer ones are handled per `overlength`
+    overlength: str = "truncate"  # a sample over max_len: "truncate" it to max_len, or "skip" it
+    bucket_edges: list[int] = field(default_factory=list)  # length-bucket upper edges; empty = quantiles
+    num_buckets: int = 8  # number of length quantile buckets, used when bucket_edges is empty
+    token_budget: int = 16384  # padded tokens per planned job (one shard): batch_size x longest <= it
+    min_loss_tokens: int = 0  # skip samples with fewer loss tokens; 0 = 2 x drafter.block_size
     # Chat rendering of messages / conversations records (and of `dflash eval` prompts): keyword
     # arguments for the chat template, e.g. { enable_thinking = false } (Qwen3 non-thinking mode);
     # and a Jinja file replacing the tokenizer's template (relative to the working directory, as
@@ -90,8 +85,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         taken = sorted(set(self.chat_template_kwargs) & RENDER_ARGS)
-        _check(not taken, f"data.chat_template_kwargs.{taken[0] if taken else ''}: dflash sets this argument of "
-                          "apply_chat_template itself; remove it (use data.chat_template for the template)")
+        _check(not taken, f"data.chat_template_kwargs.{taken[0] if taken else ''}: dflash sets this argument "
+                          "of apply_chat_template itself; remove it (use data.chat_template for the "
+                          "template)")
         _check(self.max_len >= 2, f"data.max_len={self.max_len}: must be >= 2")
         _check(self.overlength in ("truncate", "skip"),
                f"data.overlength={self.overlength!r}: use 'truncate' or 'skip'")
@@ -114,7 +110,8 @@ ATTENTION_CHOICES = ("auto", "flex", "sdpa")  # train.attention
 def check_layer_types(layer_types: list[str], num_layers: int, sliding_window, where: str) -> str | None:
     """Why ``layer_types`` / ``sliding_window`` are unusable for ``num_layers`` layers (None if fine)."""
     if len(layer_types) != num_layers:
-        return f"{where}layer_types has {len(layer_types)} entries for {num_layers} layers; give one per layer"
+        return (f"{where}layer_types has {len(layer_types)} entries for {num_layers} layers; "
+                "give one per layer")
     bad = sorted(set(layer_types) - set(LAYER_TYPES))
     if bad:
         return f"{where}layer_types has {bad}; use {FULL!r} or {SLIDING!r}"
@@ -126,16 +123,16 @@ def check_layer_types(layer_types: list[str], num_layers: int, sliding_window, w
 
 @dataclass
 class DrafterConfig:
-    num_hidden_layers: int = 1
-    intermediate_size: int = 0  # 0 = 3 x target hidden size
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 0  # 0 = target hidden / heads
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
-    block_size: int = 16
-    mask_token_id: int = -1  # -1 = len(tokenizer) when that is < vocab size
+    num_hidden_layers: int = 1  # drafter decoder layers (also how many target layers the DFlash rule taps)
+    intermediate_size: int = 0  # MLP width; 0 = 3 x target hidden size (the target's width, see `init`)
+    num_attention_heads: int = 4  # query heads
+    num_key_value_heads: int = 2  # key/value heads (grouped-query attention); divides num_attention_heads
+    head_dim: int = 0  # width of one head; 0 = target hidden / heads
+    rms_norm_eps: float = 1e-6  # epsilon of the drafter's RMSNorm layers
+    rope_theta: float = 1_000_000.0  # RoPE base frequency
+    max_position_embeddings: int = 32768  # the drafter's context length (its config.json, its RoPE tables)
+    block_size: int = 16  # tokens per draft block: the anchor plus block_size - 1 predicted tokens
+    mask_token_id: int = -1  # token filling a block's unknown positions; -1 = len(tokenizer) when < vocab
     dtype: str = "bfloat16"  # dtype of the saved checkpoint
     # "auto" (target_top where the target's layers fit the drafter, else random, saying why),
     # "target_top" (start from the target's top decoder layers, see model/init.py; refuses shapes
@@ -146,10 +143,11 @@ class DrafterConfig:
     # all full. Sliding layers see a causal window of `sliding_window` positions (their own
     # included): see dflash_staged/model/block_attention.py.
     layer_types: list[str] = field(default_factory=list)
-    sliding_window: int = 0
+    sliding_window: int = 0  # positions a sliding layer sees, its own included (set it with such layers)
 
     def __post_init__(self) -> None:
-        _check(self.num_hidden_layers >= 1, f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1")
+        _check(self.num_hidden_layers >= 1,
+               f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1")
         _check(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2")
         _check(self.num_attention_heads >= 1 and self.num_key_value_heads >= 1,
                "drafter.num_attention_heads and num_key_value_heads must be >= 1")
@@ -167,34 +165,36 @@ class DrafterConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
+    lr: float = 6e-4  # peak learning rate (AdamW)
+    warmup_ratio: float = 0.04  # share of the steps spent warming the learning rate up linearly
     lr_schedule: str = "cosine"  # cosine (to 0) | wsd (warmup, stable, then linear decay to 0)
     decay_ratio: float = 0.2  # wsd: share of the steps spent decaying
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
-    grad_accum: int = 4
-    microbatch_tokens: int = 16384
-    num_anchors: int = 512
-    gamma: float = 7.0
-    noise_std: float = 0.0
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    grad_clip: float = 1.0  # clip the gradient norm to this; 0 = no clipping
+    grad_accum: int = 4  # shards (planned jobs) each rank takes per optimizer step
+    microbatch_tokens: int = 16384  # tokens per forward/backward: a shard is split into such microbatches
+    num_anchors: int = 512  # most draft blocks (anchors) drawn per sequence each time it is trained on
+    gamma: float = 7.0  # loss weight decay over a block: offset k weighs exp(-(k-1)/gamma)
+    noise_std: float = 0.0  # std of the Gaussian noise added to the target's features; 0 = none
     noise_schedule: str = "constant"  # constant | linear | cosine (decay to 0 over training)
-    buffer_capacity: int = 8
-    min_ready: int = 4  # shards ready before a step; with grad_accum >= 2 also from 2+ buckets (or a full buffer)
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
+    buffer_capacity: int = 8  # shards each rank holds read and verified ahead of its steps
+    # Shards ready before a step; with grad_accum >= 2 also from 2+ buckets (or a full buffer).
+    min_ready: int = 4
+    checkpoint_every: int = 100  # steps between checkpoints (each releases the shards it covers)
+    keep_checkpoints: int = 2  # most recent checkpoints kept on disk
     log_every: int = 10  # host-synchronising metrics (loss, accuracy) every N steps on CUDA
     loss_chunk: int = 4096  # positions per chunk in the LM-head + loss
     # Attention in training: "flex" (block-sparse flex_attention, CUDA), "sdpa" (dense masks), or
     # "auto" = flex on CUDA, sdpa elsewhere. See dflash_staged/model/flex_blocks.py.
     attention: str = "auto"
-    seed: int = 0
+    seed: int = 0  # seeds the drafter's initial weights, the anchors drawn and the order shards are drawn in
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"train.lr={self.lr}: must be > 0")
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio={self.warmup_ratio}: use a value in [0, 1)")
-        _check(self.lr_schedule in ("cosine", "wsd"), f"train.lr_schedule={self.lr_schedule!r}: use cosine or wsd")
+        _check(self.lr_schedule in ("cosine", "wsd"),
+               f"train.lr_schedule={self.lr_schedule!r}: use cosine or wsd")
         _check(0 < self.decay_ratio <= 1 and self.warmup_ratio + self.decay_ratio <= 1,
                f"train.decay_ratio={self.decay_ratio}: use a value in (0, 1 - warmup_ratio]")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
@@ -222,18 +222,38 @@ class TrainConfig:
 @dataclass
 class ExtractConfig:
     window: int = 64  # shards claimed, written or consumed but not released
-    window_bytes: int = 0  # 0 = no byte limit
-    lease_s: float = 300.0
-    max_attempts: int = 3
-    compression: str = "none"  # none | zstd
+    window_bytes: int = 0  # the same window in bytes; 0 = no byte limit
+    lease_s: float = 300.0  # a claim's lease: a claimed job not renewed for this long is reclaimed
+    # A tensor-parallel group's collective timeout: a rank waiting longer in one gives up (extract/group.py);
+    # 0 = lease_s, so no rank waits longer than a claim lives.
+    collective_timeout_s: float = 0.0
+    # How long a registered process (extractor, trainer) counts as alive, seen from another host, after
+    # its last heartbeat (it beats every 1/4 of it; PostgreSQL manifests, manifest/pg_procs.py); 0 = lease_s.
+    registration_liveness_s: float = 0.0
+    max_attempts: int = 3  # a job whose extraction failed this many times is marked failed, not retried
+    compression: str = "none"  # compression of the shards' tensors: none | zstd
 
     def __post_init__(self) -> None:
         _check(self.window >= 1, f"extract.window={self.window}: must be >= 1")
         _check(self.window_bytes >= 0, "extract.window_bytes must be >= 0 (0 = unlimited)")
         _check(self.lease_s > 0, "extract.lease_s must be > 0")
+        for key in ("collective_timeout_s", "registration_liveness_s"):
+            _check(getattr(self, key) >= 0, f"extract.{key}={getattr(self, key)}: must be > 0, or 0 (the "
+                                            "default) to use extract.lease_s")
         _check(self.max_attempts >= 1, "extract.max_attempts must be >= 1")
         _check(self.compression in ("none", "zstd"),
                f"extract.compression={self.compression!r}: use 'none' or 'zstd'")
+
+    @property
+    def collective_timeout(self) -> float:
+        """Seconds: ``collective_timeout_s``, or ``lease_s`` where that is 0."""
+        return self.collective_timeout_s or self.lease_s
+
+    @property
+    def registration_liveness(self) -> float:
+        """Seconds: ``registration_liveness_s``, or ``lease_s`` where that is 0 (as in a plan made before
+        the setting existed, whose snapshot lacks it)."""
+        return self.registration_liveness_s or self.lease_s
 
 
 @dataclass
@@ -266,142 +286,3 @@ class Config:
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"target": TargetConfig, "data": DataConfig, "drafter": DrafterConfig,
                     "train": TrainConfig, "extract": ExtractConfig}
-
-# Settings `train --replay` may override; everything else is fixed by the stored shards.
-REPLAY_OVERRIDABLE = {
-    "drafter": {"num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "block_size", "rms_norm_eps", "rope_theta", "dtype", "init", "layer_types",
-                "sliding_window"},
-    "train": {f.name for f in fields(TrainConfig)},
-}
-# Runtime-only settings a command line may override against the manifest's snapshot.
-RUNTIME_KEYS = {"extract": {"window", "window_bytes", "lease_s", "max_attempts"},
-                "target": {"allow_slow_kernels", "dtype", "attn_implementation"}}
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is list:
-        (arg,) = typing.get_args(tp)
-        return f"list of {_type_name(arg)}"
-    if origin is dict:
-        return "table"
-    return {int: "integer", float: "number", str: "string", bool: "boolean"}.get(tp, str(tp))
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check `value` against annotation `tp`; return it (ints accepted for floats)."""
-    origin = typing.get_origin(tp)
-    if origin is list:
-        (arg,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-        return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:  # a table of JSON values (it is snapshotted as JSON)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, e.g. {{ key = value }}, got "
-                              f"{type(value).__name__} {value!r}")
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}: {e}; use strings, numbers, booleans, arrays and tables") from None
-        return value
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok:
-            try:
-                f = float(value)
-            except OverflowError:  # an integer beyond float range
-                f = math.inf
-            if not math.isfinite(f):
-                raise ConfigError(f"{where}: {str(value)[:40]} is not a finite number; give a finite value")
-            value = f
-    elif tp is str:
-        ok = isinstance(value, str)
-    else:  # pragma: no cover
-        ok = True
-    if not ok:
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    if tp is int and abs(value) > 2**62:
-        raise ConfigError(f"{where}: {str(value)[:40]} is out of range; use a value below 2**62")
-    return value
-
-
-def _build_section(cls: type, raw: Any, where: str) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a table [{where.rsplit(' ', 1)[-1]}], got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(f"{where}.{key}: unknown key; known keys are: {', '.join(sorted(known))}")
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{where.split(':')[0]}: {e}") from None
-
-
-def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
-    for key in raw:
-        if key not in _SECTION_CLASSES:
-            raise ConfigError(f"{source}: unknown section [{key}]; known sections are: "
-                              f"{', '.join(_SECTION_CLASSES)}")
-    parts = {name: _build_section(cls, raw.get(name, {}), f"{source}: {name}")
-             for name, cls in _SECTION_CLASSES.items()}
-    return Config(**parts)
-
-
-def load_config(path: str | Path) -> Config:
-    """Load and validate a TOML config; errors name the file, key and expected type."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config ({e.strerror}); check the path") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: byte {e.start} is not UTF-8; save the file as UTF-8") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}; fix the syntax") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply; fix the syntax") from None
-    except ValueError as e:  # e.g. an integer literal too long to convert
-        raise ConfigError(f"{path}: invalid TOML: {e}; fix the value") from None
-    return config_from_dict(raw, str(path))
-
-
-def apply_overrides(cfg: Config, overrides: dict[str, dict[str, Any]], allowed: dict[str, set[str]],
-                    what: str) -> Config:
-    """Return a copy of cfg with section.key values replaced; refuse keys outside `allowed`."""
-    raw = cfg.to_dict()
-    for section, kv in overrides.items():
-        for key, value in kv.items():
-            if key not in allowed.get(section, set()):
-                raise ConfigError(f"{section}.{key} cannot be changed for {what}: it is fixed by the "
-                                  f"manifest/stored shards; re-plan to change it")
-            raw[section][key] = value
-    return config_from_dict(raw, f"<{what} overrides>")
-
-
-def dflash_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The DFlash tap rule: round(1 + i*(L-4)/(k-1)) for i in 0..k-1, [L//2] for k == 1."""
-    L, k = num_target_layers, num_draft_layers
-    if k == 1:
-        return [L // 2]
-    return [round(1 + i * (L - 4) / (k - 1)) for i in range(k)]
-
-
-def target_from_spec(spec: str) -> TargetConfig:
-    """``--target``: a dflash config TOML (its ``[target]``), or a model directory, hub id or ``tiny:*``."""
-    if spec.endswith(".toml"):
-        return load_config(spec).target
-    return TargetConfig(model=spec)
