@@ -1,4 +1,5 @@
-"""The ``dflash`` command line: plan, data show, status, extract, train, eval.
+"""The ``dflash`` command line: plan, data show, status, extract, train, eval, regenerate, plot,
+and the launchers pipeline (one host) and node (one GPU node).
 
 Each command is a thin wrapper; the work lives in the module named after it.
 User errors (:class:`dflash_staged.errors.DflashError`) print one clean line and exit 1.

@@ -1,4 +1,5 @@
-"""Process identity: (host, pid, start time), since pids are reused; the host's boot id; process lifetime.
+"""Process identity: (host, pid, start time), since pids are reused; the host's boot id; process lifetime;
+a process's descendants.
 
 The manifest records it for claims and for running extract/train processes; a claim or a
 process is dead when its pid is gone, reused (another start time) or a zombie, or when it was
@@ -77,3 +78,25 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> boo
     except (OSError, AttributeError):
         pass
     return parent is None or os.getppid() == parent
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of every live descendant of `pid` (Linux /proc; [] elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out

@@ -1,6 +1,6 @@
 import pytest
 
-from dflash_staged.config import ConfigError, dflash_target_layers, load_config
+from dflash_staged.config import Config, ConfigError, config_from_dict, dflash_target_layers, load_config
 
 
 def test_tap_rule():
@@ -31,3 +31,63 @@ def test_bad_config(tmp_path, body, needle):
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert needle in str(e.value) and str(p) in str(e.value)
+
+
+def _extract(tmp_path, body):
+    p = tmp_path / "c.toml"
+    p.write_text("[extract]\n" + body)
+    return load_config(p).extract
+
+
+def test_lease_bounds_default_to_the_lease(tmp_path):
+    """collective_timeout_s and registration_liveness_s follow lease_s unless set; extract gets one."""
+    from dflash_staged.extract.options import options_from
+    e = _extract(tmp_path, "lease_s = 42\n")
+    assert (e.collective_timeout_s, e.registration_liveness_s) == (0.0, 0.0)  # the snapshot keeps "derived"
+    assert e.collective_timeout == e.registration_liveness == 42.0
+    opts = options_from("m", tmp_path, "cpu", e)
+    assert (opts.lease_s, opts.collective_timeout_s) == (42.0, 42.0)
+    old = Config().to_dict()  # a snapshot planned before the two settings existed
+    for key in ("collective_timeout_s", "registration_liveness_s"):
+        del old["extract"][key]
+    old["extract"]["lease_s"] = 7.0
+    e = config_from_dict(old).extract
+    assert e.collective_timeout == e.registration_liveness == 7.0
+
+
+def test_lease_bounds_set_explicitly_win(tmp_path):
+    from dflash_staged.extract.options import options_from
+    e = _extract(tmp_path, "lease_s = 42\ncollective_timeout_s = 900\nregistration_liveness_s = 5.5\n")
+    assert (e.lease_s, e.collective_timeout, e.registration_liveness) == (42.0, 900.0, 5.5)
+    assert options_from("m", tmp_path, "cpu", e).collective_timeout_s == 900.0
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("collective_timeout_s = -1\n",
+     "extract.collective_timeout_s=-1.0: must be > 0, or 0 (the default) to use extract.lease_s"),
+    ("registration_liveness_s = -0.5\n", "extract.registration_liveness_s=-0.5: must be > 0"),
+    ("registration_liveness_s = 'long'\n", "extract.registration_liveness_s: expected number"),
+    ("collective_timeout_s = inf\n", "extract.collective_timeout_s: inf is not a finite number"),
+])
+def test_bad_lease_bounds_are_one_clear_line(tmp_path, body, needle):
+    with pytest.raises(ConfigError) as e:
+        _extract(tmp_path, body)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_manifest_planned_before_new_settings_replans_the_same(tmp_path):
+    """Re-planning the same config over a manifest whose snapshot lacks settings added since is a no-op."""
+    from test_manifest import fake_inputs
+
+    from dflash_staged.manifest import Manifest
+    samples, plan = fake_inputs()
+    with Manifest.create(tmp_path / "m", config=Config(), samples=samples, plan=plan, data_path="d",
+                         data_hash="h") as m:
+        old = m.meta["config"]
+        del old["extract"]["collective_timeout_s"], old["extract"]["registration_liveness_s"]
+        m.set_meta("config", old)
+        made = m.manifest_id
+    samples, plan = fake_inputs()
+    with Manifest.create(tmp_path / "m", config=Config(), samples=samples, plan=plan, data_path="d",
+                         data_hash="h") as m:
+        assert m.manifest_id == made and m.config.extract.registration_liveness == 300.0

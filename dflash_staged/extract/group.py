@@ -6,7 +6,8 @@
 worker: one claim at a time, one shard per job, one lease. Each group is a ``torch.distributed``
 world of its own (gloo on CPU, NCCL on CUDA) that meets through a fresh file named by the
 supervisor (``init_method=file://``: no ports to pick), with a process-group timeout of
-``extract.lease_s``, so no rank waits in a collective longer than a claim lives.
+``extract.collective_timeout_s`` (by default ``extract.lease_s``, so no rank waits in a collective
+longer than a claim lives).
 
 Roles: rank 0, the **leader**, runs the worker loop of :mod:`~dflash_staged.extract.worker`: it
 alone claims, keeps the lease, writes and publishes (the full, unsharded tapped states: every

@@ -1,5 +1,5 @@
 """What one ``dflash extract`` run is asked to do: manifest, store, devices (and their tensor-parallel
-groups), window, lease."""
+groups), window, lease, the groups' collective timeout."""
 
 from __future__ import annotations
 
@@ -23,16 +23,19 @@ class ExtractOptions:
     devices: list[str]
     window: int
     window_bytes: int
-    lease_s: float
-    max_attempts: int
+    lease_s: float  # a claim's lease (extract.lease_s)
+    max_attempts: int  # failures before a job is marked failed (extract.max_attempts)
     allow_slow_kernels: bool = False
     dtype: str | None = None  # override target.dtype for the shards' source model
     train_ranks: int = 1
-    stay_while_training: bool = True
+    collective_timeout_s: float = 0.0  # a tensor-parallel group's (extract.collective_timeout_s); 0 = lease_s
     tp: int = 1  # devices per worker: a tensor-parallel group (dflash_staged.extract.group)
     trainer_coming: bool = False  # a launcher starts a trainer beside it (--trainer-coming)
     trainer_deadline: float = 0.0  # until then, wait for a trainer to register (extract.worker.should_stay)
     trainer_seen: bool = False  # this process saw a live trainer (extract.worker.should_stay)
+
+    def __post_init__(self) -> None:
+        self.collective_timeout_s = self.collective_timeout_s or self.lease_s
 
     @property
     def groups(self) -> list[list[str]]:
@@ -62,15 +65,15 @@ def parse_devices(devices: str) -> list[str]:
     return devs
 
 
-def options_from(manifest: str | Path, store: Path, devices: str, cfg: ExtractConfig, *, window=None, window_bytes=None,
-                 allow_slow_kernels=False, dtype=None, train_ranks=1, lease_s=None, tp=1,
+def options_from(manifest: str | Path, store: Path, devices: str, cfg: ExtractConfig, *, window=None,
+                 window_bytes=None, allow_slow_kernels=False, dtype=None, train_ranks=1, tp=1,
                  trainer_coming=False) -> ExtractOptions:
     """Command-line values over the manifest's ``[extract]`` snapshot."""
     opts = ExtractOptions(manifest=manifest, store=store, devices=parse_devices(devices),
                           window=window if window is not None else cfg.window,
                           window_bytes=window_bytes if window_bytes is not None else cfg.window_bytes,
-                          lease_s=lease_s if lease_s is not None else cfg.lease_s, max_attempts=cfg.max_attempts,
-                          allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks, tp=tp,
-                          trainer_coming=trainer_coming)
+                          lease_s=cfg.lease_s, max_attempts=cfg.max_attempts,
+                          allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks,
+                          collective_timeout_s=cfg.collective_timeout, tp=tp, trainer_coming=trainer_coming)
     split_groups(opts.devices, tp)  # refuse a device count --tp does not divide, before anything starts
     return opts

@@ -4,17 +4,22 @@
 device (``--devices cuda:0,cuda:1`` or ``cpu,cpu``), or with ``--tp N`` one process per device of
 each group of N (:mod:`dflash_staged.extract.group`), shows a progress line (jobs, real tokens/s,
 window), and returns an exit code. SIGINT/SIGTERM make the workers finish their current job or
-give the claim back (a second signal kills them); a worker exits when its supervisor dies
-(PR_SET_PDEATHSIG, and a parent check). A worker killed with ``kill -9`` leaves a claim that
-the next claim on this host reclaims at once (dead pid), and a temporary shard directory that
-the supervisor removes; the other workers go on. When a process of a tensor-parallel group is
-killed, the supervisor kills the rest of the group at once (no rank is left in a collective);
-when ranks exit with an error, the others get :data:`GROUP_GRACE_S` to exit and report on their
-own first. A group whose process was killed by a signal is started again, up to
-:data:`GROUP_RESTARTS` times; its job goes back to pending like any dead worker's. With a live
-trainer, extract stays (idle) once everything is extracted, so it can re-extract shards that
-fail verification; a trainer started beside it gets a while to register first (the stay rule,
-:func:`~dflash_staged.extract.worker.should_stay`).
+give the claim back (a second signal kills them; :mod:`dflash_staged.children`); a worker exits
+when its supervisor dies (PR_SET_PDEATHSIG, and a parent check). A worker killed with ``kill -9``
+leaves a claim that the next claim on this host reclaims at once (dead pid), and a temporary
+shard directory that the supervisor removes; the other workers go on. When a process of a
+tensor-parallel group is killed, the supervisor kills the rest of the group at once (no rank is
+left in a collective); when ranks exit with an error, the others get :data:`GROUP_GRACE_S` to
+exit and report on their own first. A group whose process was killed by a signal is started
+again, up to :data:`GROUP_RESTARTS` times; its job goes back to pending like any dead worker's.
+With a live trainer, extract stays (idle) once everything is extracted, so it can re-extract
+shards that fail verification; a trainer started beside it gets a while to register first (the
+stay rule, :func:`~dflash_staged.extract.worker.should_stay`).
+
+Each worker reports (:mod:`dflash_staged.extract.messages`) on a status queue of its own, new at
+each start: a process killed while it writes to a multiprocessing queue leaves the queue's write
+lock held, and every other writer of that queue (and its exit, which flushes the queue) would
+block on it forever.
 """
 
 from __future__ import annotations
@@ -31,16 +36,18 @@ from dataclasses import dataclass, field
 
 import click
 
-from dflash_staged.manifest.window import window_check
+from dflash_staged.children import Children, Progress, SpawnedChild
 from dflash_staged.errors import DflashError
+from dflash_staged.extract.messages import Status, WorkerError
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, ExtractOptions
 from dflash_staged.extract.worker import POLL_S, TRAINER_COMING_S, TRAINER_GRACE_S, should_stay, worker_main
 from dflash_staged.manifest import Manifest
+from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.store import ShardStore
-
 
 GROUP_RESTARTS = 3  # restarts of a tensor-parallel group whose process was killed (kill -9, OOM killer)
 GROUP_GRACE_S = 10.0  # ranks still running this long after another rank of their group exited by itself are killed
+STOP_GRACE_S = 30.0  # at the end, workers still running (the supervisor failed) get this long to stop
 
 
 @dataclass
@@ -49,30 +56,27 @@ class _Worker:
 
     index: int
     devices: list[str]
-    procs: list = field(default_factory=list)
+    procs: list[SpawnedChild] = field(default_factory=list)
     code: int | None = None  # set once it is over: the leader's exit code, or the death of a group
     restarts: int = 0
     wait_since: float = 0.0  # when a group's first rank exited on its own (the others then get GROUP_GRACE_S)
-    # Its own status queue, new at each start: a process killed while it writes to a multiprocessing
-    # queue leaves the queue's write lock held, and every other writer (and its exit) would block on it.
-    queue: object = None
+    queue: object = None  # its own status queue, new at each start (see the module docstring)
 
     def start(self, ctx, opts: ExtractOptions, tmp: str | None) -> None:
         init = os.path.join(tmp, f"group{self.index}-{self.restarts}") if tmp else None
         self.wait_since = 0.0
         self.queue = ctx.Queue()
-        self.procs = [ctx.Process(target=worker_main, args=(self.index, self.devices, r, opts, self.queue, init),
-                                  name=f"extract-{self.index}" + (f"-rank{r}" if init else ""), daemon=False)
-                      for r in range(len(self.devices))]
-        for p in self.procs:
-            p.start()
+        self.procs = []
+        for r in range(len(self.devices)):
+            name = f"extract-{self.index}" + (f"-rank{r}" if init else "")
+            self.procs.append(SpawnedChild(ctx, name, worker_main,
+                                           (self.index, self.devices, r, opts, self.queue, init)))
 
     def kill(self) -> None:
         for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
+            p.kill()
         for p in self.procs:
-            p.join()
+            p.wait()
 
 
 def shard_bytes_max(m: Manifest, opts: ExtractOptions) -> int:
@@ -98,10 +102,9 @@ def run_extract(opts: ExtractOptions) -> int:
     return the exit code."""
     opts.trainer_deadline = time.time() + (TRAINER_COMING_S if opts.trainer_coming else TRAINER_GRACE_S)
     m = Manifest.open(opts.manifest)
-    groups = opts.groups
-    largest = shard_bytes_max(m, opts) if opts.window_bytes else 0
-    err, warn = window_check(m.config, opts.window, len(groups), opts.train_ranks,
-                             window_bytes=opts.window_bytes, shard_bytes_max=largest)
+    window = WindowSettings(opts.window, opts.window_bytes, len(opts.groups),
+                            shard_bytes_max(m, opts) if opts.window_bytes else 0)
+    err, warn = window.check(m.config, opts.train_ranks)
     if err:
         raise DflashError(err)
     if warn:
@@ -118,58 +121,150 @@ def run_extract(opts: ExtractOptions) -> int:
                    f"({g['extracted'] - g['trained']} written, {g['trained']} consumed)")
         return 0
     _remove_dead_leftovers(opts, m)
-    m.set_meta("extract_window", {"shards": opts.window, "bytes": opts.window_bytes, "workers": len(groups),
-                                  "shard_bytes_max": largest})
-    proc_id = m.register("extract", info={"devices": opts.devices, "tp": opts.tp})
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="dflash-tp-") if opts.tp > 1 else None  # the groups' rendezvous files
-    workers = [_Worker(i, g) for i, g in enumerate(groups)]
-    stopping = {"n": 0}
+    m.set_meta(WindowSettings.KEY, window.to_meta())
+    return ExtractSupervisor(m, opts).run()
 
-    def on_signal(signum, _frame):
-        stopping["n"] += 1
-        for w in workers:
-            for p in w.procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGTERM if stopping["n"] == 1 else signal.SIGKILL)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    for w in workers:
-        w.start(ctx, opts, tmp)
-    messages: list[str] = []
-    try:
-        _watch(m, opts, workers, messages, stopping, ctx, tmp)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        for w in workers:
-            for p in w.procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-        _drain_status(workers, messages)
-        for msg in messages:
-            click.echo(f"extract: {msg}", err=True)
-        _remove_dead_leftovers(opts, m)
-        m.unregister(proc_id)
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    c, g, win = m.counts(), m.progress()["jobs"], m.window()
-    click.echo(f"extract: {'finished' if m.extract_done() else 'stopped'}: {c['written']} written, "
-               f"{g['trained']} consumed, {c['pending']} pending, {c['failed']} failed "
-               f"| window {win['shards']} shards, {win['bytes']:,} bytes")
-    if opts.trainer_coming and not opts.trainer_seen and not stopping["n"]:
-        click.echo(f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
-                   "although the launcher started one; check its output", err=True)
-    if any(w.code == EXIT_DISK_FULL for w in workers):
-        return EXIT_DISK_FULL
-    if c["failed"]:
-        return EXIT_ERROR
-    if stopping["n"]:
-        return 130
-    if not m.extract_done():
-        return EXIT_ERROR
-    return 0
+class ExtractSupervisor:
+    """One run of the workers of ``opts.groups`` on manifest ``m``: started, watched until each is
+    over (restarting a killed tensor-parallel group), reported on; :meth:`run` returns the exit code."""
+
+    def __init__(self, m: Manifest, opts: ExtractOptions):
+        self.m, self.opts = m, opts
+        self.ctx = mp.get_context("spawn")
+        self.tmp: str | None = None  # the tensor-parallel groups' rendezvous files
+        self.workers = [_Worker(i, g) for i, g in enumerate(opts.groups)]
+        self.children = Children(lambda: [p for w in self.workers for p in w.procs])
+        self.messages: list[str] = []  # the workers' reports, printed at the end
+
+    def run(self) -> int:
+        m, opts = self.m, self.opts
+        proc_id = m.register("extract", info={"devices": opts.devices, "tp": opts.tp})
+        try:
+            self.tmp = tempfile.mkdtemp(prefix="dflash-tp-") if opts.tp > 1 else None
+            with self.children.forwarding(signal.SIGINT, signal.SIGTERM):
+                try:
+                    for w in self.workers:
+                        w.start(self.ctx, opts, self.tmp)
+                    self.children.catch_up()
+                    self._watch()
+                finally:
+                    self.children.close(grace=STOP_GRACE_S)
+        finally:
+            self._drain_status()
+            for msg in self.messages:
+                click.echo(f"extract: {msg}", err=True)
+            _remove_dead_leftovers(opts, m)
+            m.unregister(proc_id)
+            if self.tmp:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        return self._report()
+
+    def _report(self) -> int:
+        """The closing lines, and the exit code."""
+        m, opts, stopped = self.m, self.opts, self.children.stopping
+        c, g, win = m.counts(), m.progress()["jobs"], m.window()
+        click.echo(f"extract: {'finished' if m.extract_done() else 'stopped'}: {c['written']} written, "
+                   f"{g['trained']} consumed, {c['pending']} pending, {c['failed']} failed "
+                   f"| window {win['shards']} shards, {win['bytes']:,} bytes")
+        if opts.trainer_coming and not opts.trainer_seen and not stopped:
+            click.echo(f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
+                       "although the launcher started one; check its output", err=True)
+        if any(w.code == EXIT_DISK_FULL for w in self.workers):
+            return EXIT_DISK_FULL
+        if c["failed"]:
+            return EXIT_ERROR
+        if stopped:
+            return 130
+        if not m.extract_done():
+            return EXIT_ERROR
+        return 0
+
+    def _watch(self) -> None:
+        """Until every worker is over: collect exit codes and reports, draw the progress line."""
+        m, opts = self.m, self.opts
+        total = sum(m.counts().values())
+        t0, tokens0 = time.time(), m.progress()["tokens"]["extracted"]
+        progress = Progress("extract", total)
+        while True:
+            self._drain_status()
+            for w in self.workers:
+                if w.code is None:
+                    self._check(w)
+            if opts.trainer_coming and not opts.trainer_seen:  # for the end's note: did a trainer come?
+                opts.trainer_seen = bool(m.live_procs("train"))
+            c, prog, win = m.counts(), m.progress(), m.window()
+            done = total - prog["jobs"]["to_extract"] - c["failed"]
+            rate = (prog["tokens"]["extracted"] - tokens0) / max(1e-9, time.time() - t0)
+            wait = "waiting: window full" if win["shards"] >= opts.window and c["pending"] else "working"
+            progress.show(done, f"jobs {done}/{total} | {rate:,.0f} real tok/s | window {win['shards']}/"
+                                f"{opts.window} shards {win['bytes'] / 2**20:,.1f} MiB | {wait}")
+            if all(w.code is not None for w in self.workers):
+                return
+            time.sleep(POLL_S)
+
+    def _check(self, w: _Worker) -> None:
+        """Set ``w.code`` once worker ``w`` is over."""
+        if len(w.procs) == 1:
+            w.code = w.procs[0].poll()
+            if w.code not in (None, 0, EXIT_DISK_FULL) and not self.children.stopping:
+                click.echo(f"extract: worker {w.index} ({w.devices[0]}, pid {w.procs[0].pid}) died with "
+                           f"exit code {w.code}; its job will be reclaimed, the other workers go on", err=True)
+                _remove_dead_leftovers(self.opts, self.m)  # its half-written shard, if any
+        else:
+            self._check_group(w)
+
+    def _check_group(self, w: _Worker) -> None:
+        """A group with a dead process is stopped whole, and restarted when that process was killed
+        by a signal (up to GROUP_RESTARTS times)."""
+        codes = [p.poll() for p in w.procs]
+        dead = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        killed = [(r, c) for r, c in dead if c < 0]
+        if None in codes and not killed and (dead or codes[0] == 0):
+            # the leader is done (it told the followers to stop), or ranks exited with an error (the others
+            # follow them): they get a grace to exit on their own and report, then are killed
+            w.wait_since = w.wait_since or time.time()
+            if time.time() - w.wait_since < GROUP_GRACE_S:
+                return
+        elif None in codes and not dead:
+            return
+        w.kill()  # no rank of a broken group may wait for the others
+        if not dead:
+            w.code = 0
+            return
+        _remove_dead_leftovers(self.opts, self.m)
+        rank, code = (killed or dead)[0]  # name the one killed by a signal: the others followed it
+        if code == EXIT_DISK_FULL or self.children.stopping:
+            w.code = code
+            return
+        again = bool(killed) and w.restarts < GROUP_RESTARTS and (not self.m.extract_done()
+                                                                  or should_stay(self.m, self.opts))
+        how = "was killed" if killed else "exited with an error"
+        click.echo(f"extract: worker {w.index} (tensor-parallel group {','.join(w.devices)}, leader pid "
+                   f"{w.procs[0].pid}): rank {rank} (pid {w.procs[rank].pid}) {how} (exit code {code}); the "
+                   "whole group is stopped and a job it held goes back to pending; "
+                   + (f"restarting it ({w.restarts + 1} of {GROUP_RESTARTS})" if again
+                      else "not restarting it"), err=True)
+        if again:
+            w.restarts += 1
+            w.start(self.ctx, self.opts, self.tmp)
+            self.children.catch_up()  # a signal that came while it started
+        else:
+            w.code = code
+
+    def _drain_status(self) -> None:
+        """The workers' reports, once each, into ``messages``."""
+        for w in self.workers:
+            while w.queue is not None:
+                try:
+                    msg = w.queue.get_nowait()
+                except (queue.Empty, EOFError, OSError):
+                    break
+                if not isinstance(msg, Status):
+                    continue  # (a test hook's own)
+                if isinstance(msg, WorkerError) and any(x.endswith(f": {msg.text}") for x in self.messages):
+                    continue  # the ranks of a group agree: say it once
+                self.messages.append(msg.line())
 
 
 def _wait_for_trainer(m: Manifest, opts: ExtractOptions) -> bool:
@@ -193,84 +288,6 @@ def _wait_for_trainer(m: Manifest, opts: ExtractOptions) -> bool:
     return opts.trainer_seen
 
 
-def _check_worker(m: Manifest, opts: ExtractOptions, w: _Worker, stopping, ctx, tmp) -> None:
-    """Set ``w.code`` once worker ``w`` is over. A group with a dead process is stopped whole, and
-    restarted when that process was killed by a signal (up to GROUP_RESTARTS times)."""
-    codes = [p.exitcode for p in w.procs]
-    if len(w.procs) == 1:
-        if codes[0] is not None:
-            w.code = codes[0]
-            if w.code not in (0, EXIT_DISK_FULL) and not stopping["n"]:
-                click.echo(f"extract: worker {w.index} ({w.devices[0]}, pid {w.procs[0].pid}) died with exit code "
-                           f"{w.code}; its job will be reclaimed, the other workers go on", err=True)
-                _remove_dead_leftovers(opts, m)  # its half-written shard, if any
-        return
-    dead = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-    killed = [(r, c) for r, c in dead if c < 0]
-    if None in codes and not killed and (dead or codes[0] == 0):
-        # the leader is done (it told the followers to stop), or ranks exited with an error (the others
-        # follow them): they get a grace to exit on their own and report, then are killed
-        w.wait_since = w.wait_since or time.time()
-        if time.time() - w.wait_since < GROUP_GRACE_S:
-            return
-    elif None in codes and not dead:
-        return
-    w.kill()  # no rank of a broken group may wait for the others
-    if not dead:
-        w.code = 0
-        return
-    _remove_dead_leftovers(opts, m)
-    rank, code = (killed or dead)[0]  # name the one killed by a signal: the others followed it
-    if code == EXIT_DISK_FULL or stopping["n"]:
-        w.code = code
-        return
-    again = bool(killed) and w.restarts < GROUP_RESTARTS and (not m.extract_done() or should_stay(m, opts))
-    how = "was killed" if killed else "exited with an error"
-    click.echo(f"extract: worker {w.index} (tensor-parallel group {','.join(w.devices)}, leader pid "
-               f"{w.procs[0].pid}): rank {rank} (pid {w.procs[rank].pid}) {how} (exit code {code}); the whole "
-               "group is stopped and a job it held goes back to pending; "
-               + (f"restarting it ({w.restarts + 1} of {GROUP_RESTARTS})" if again else "not restarting it"),
-               err=True)
-    if again:
-        w.restarts += 1
-        w.start(ctx, opts, tmp)
-    else:
-        w.code = code
-
-
-def _watch(m: Manifest, opts: ExtractOptions, workers: list[_Worker], messages: list, stopping, ctx,
-           tmp) -> None:
-    """Until every worker is over: collect exit codes and messages, draw the progress line."""
-    total = sum(m.counts().values())
-    t0, tokens0 = time.time(), m.progress()["tokens"]["extracted"]
-    bar = click.progressbar(length=total, label="extract", show_pos=True, file=sys.stderr) \
-        if sys.stderr.isatty() else None
-    last_line = 0.0
-    while True:
-        _drain_status(workers, messages)
-        for w in workers:
-            if w.code is None:
-                _check_worker(m, opts, w, stopping, ctx, tmp)
-        if opts.trainer_coming and not opts.trainer_seen:  # for the end's note: did the trainer ever come?
-            opts.trainer_seen = bool(m.live_procs("train"))
-        c, prog, win = m.counts(), m.progress(), m.window()
-        done = total - prog["jobs"]["to_extract"] - c["failed"]
-        rate = (prog["tokens"]["extracted"] - tokens0) / max(1e-9, time.time() - t0)
-        wait = "waiting: window full" if win["shards"] >= opts.window and c["pending"] else "working"
-        line = (f"jobs {done}/{total} | {rate:,.0f} real tok/s | window {win['shards']}/{opts.window} shards"
-                f" {win['bytes'] / 2**20:,.1f} MiB | {wait}")
-        if bar is not None:
-            bar.pos = done
-            bar.label = line
-            bar.render_progress()
-        elif time.time() - last_line > 5:
-            click.echo(f"extract: {line}", err=True)
-            last_line = time.time()
-        if all(w.code is not None for w in workers):
-            return
-        time.sleep(POLL_S)
-
-
 def _remove_dead_leftovers(opts: ExtractOptions, m: Manifest) -> None:
     """Remove the temporary shards of dead writers (a worker killed mid-write leaves one behind; on a
     shared store, those of other hosts' writers whose claims were lost), and shards renamed in after
@@ -278,23 +295,3 @@ def _remove_dead_leftovers(opts: ExtractOptions, m: Manifest) -> None:
     if ShardStore.exists(opts.store):
         store = ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})
         store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
-
-
-def _drain_status(workers: list[_Worker], messages: list[str]) -> None:
-    """The workers' error reports, once each, into ``messages``."""
-    for w in workers:
-        if w.queue is not None:
-            _drain_one(w.queue, messages)
-
-
-def _drain_one(q, messages: list[str]) -> None:
-    while True:
-        try:
-            msg = q.get_nowait()
-        except (queue.Empty, EOFError, OSError):
-            return
-        if msg[0] == "error":
-            if not any(x.endswith(f": {msg[2]}") for x in messages):  # the ranks of a group agree: say it once
-                messages.append(f"worker {msg[1]}: {msg[2]}")
-        elif msg[0] == "job_error":
-            messages.append(f"worker {msg[1]}: job {msg[2]} failed ({msg[3]}); now {msg[4]}")

@@ -38,6 +38,7 @@ from dflash_staged.config import Config
 from dflash_staged.dtypes import dtype_name
 from dflash_staged.errors import DflashError
 from dflash_staged.extract.group import Group, GroupBroken, follow
+from dflash_staged.extract.messages import JobError, WorkerError
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, ExtractOptions
 from dflash_staged.manifest import Job, Manifest
 from dflash_staged.procs import die_with_parent
@@ -177,8 +178,6 @@ def should_stay(m: Manifest, opts: ExtractOptions) -> bool:
     re-extraction (a shard failing verification); leave once no trainer is running. Until
     ``opts.trainer_deadline`` (extract's start + :data:`TRAINER_GRACE_S`, or :data:`TRAINER_COMING_S`
     with ``--trainer-coming``), a trainer this process has not seen yet may still be starting: stay."""
-    if not opts.stay_while_training:
-        return False
     c = m.counts()
     if c["written"] == 0 and c["consumed"] == 0:
         return False
@@ -221,7 +220,7 @@ def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: Extract
         if error is not None:
             lease.drop(job)
             state = m.fail(job, error, opts.max_attempts)
-            status_q.put(("job_error", rank, job.id, error, state))
+            status_q.put(JobError(rank, job.id, error, state))
             continue
         if lease.is_lost(job):
             lease.drop(job)
@@ -233,7 +232,8 @@ def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: Extract
 def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions, status_q,
                 init_file: str | None = None) -> None:
     """Rank ``rank`` of extract worker ``index`` (one process on ``devices[0]``, or one rank of a
-    tensor-parallel group on ``devices``). Exit code 0 = done/stopped, 3 = disk full, 2 = error."""
+    tensor-parallel group on ``devices``). Exit code 0 = done/stopped, 3 = disk full, 2 = error.
+    Reports go to ``status_q`` (:mod:`dflash_staged.extract.messages`)."""
     die_with_parent()
     sup = mp.parent_process()
     parent = sup.pid if sup is not None else os.getppid()
@@ -248,10 +248,12 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
         torch.set_num_threads(n or max(1, (os.cpu_count() or 1) // max(1, len(opts.devices))))
     who = index if rank == 0 else f"{index} rank {rank}"
     try:
-        group = Group.join(devices, rank, init_file, opts.lease_s) if len(devices) > 1 else Group()
+        group = (Group.join(devices, rank, init_file, opts.collective_timeout_s) if len(devices) > 1
+                 else Group())
     except Exception as e:  # noqa: BLE001 - e.g. a sibling died before the group met
-        status_q.put(("error", who, f"cannot join the tensor-parallel group on {','.join(devices)}: "
-                                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        status_q.put(WorkerError(who, f"cannot join the tensor-parallel group on {','.join(devices)}: "
+                                      f"{type(e).__name__}: {first}"))
         sys.exit(EXIT_ERROR)
     m = Manifest.open(opts.manifest, readonly=not group.leader)
     cfg = m.config
@@ -272,7 +274,7 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
         loaded, error = False, error or (e, "")
     if not loaded:
         if error is not None:
-            status_q.put(("error", who, str(error[0]) if isinstance(error[0], DflashError) else error[1]))
+            status_q.put(WorkerError(who, str(error[0]) if isinstance(error[0], DflashError) else error[1]))
         group.close()
         sys.exit(EXIT_DISK_FULL if error and isinstance(error[0], StoreFullError) else EXIT_ERROR)
     if not group.leader:
@@ -281,7 +283,7 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
         try:
             follow(target, group)
         except GroupBroken as e:  # the leader died: the supervisor stops (and restarts) the group
-            status_q.put(("error", who, str(e)))
+            status_q.put(WorkerError(who, str(e)))
             code = EXIT_ERROR
         group.close()
         sys.exit(code)
@@ -289,7 +291,7 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
         lease = Lease(opts)
         publisher = Publisher(opts, store, lease)
     except DflashError as e:
-        status_q.put(("error", who, str(e)))
+        status_q.put(WorkerError(who, str(e)))
         group.stop()
         group.close()
         sys.exit(EXIT_ERROR)
@@ -301,7 +303,7 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
         publisher.close()
     except BaseException as e:  # noqa: BLE001
         code = EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR
-        status_q.put(("error", index, str(e) if isinstance(e, DflashError) else traceback.format_exc()))
+        status_q.put(WorkerError(index, str(e) if isinstance(e, DflashError) else traceback.format_exc()))
     finally:
         group.stop()
         try:

@@ -12,10 +12,11 @@ Supervision contract of :func:`run_side_by_side`:
 
 * Each child runs in its own session / process group with ``PR_SET_PDEATHSIG = SIGTERM``, so it
   stops (cleanly) if the launcher dies; on the launcher's exit whatever is left of a child's
-  process tree is killed. ``stdin`` is closed; stdout and stderr are merged and every line is
-  printed prefixed ``[plan]``, ``[extract]`` or ``[train]``. The launcher's own lines start
-  ``[launch]``: a combined status every ``status_every`` seconds (jobs extracted / trained,
-  window shards and bytes, store bytes now and peak) and a summary at the end.
+  process tree is killed (:class:`~dflash_staged.children.CommandChild`). ``stdin`` is closed;
+  stdout and stderr are merged and every line is printed prefixed ``[plan]``, ``[extract]`` or
+  ``[train]``. The launcher's own lines start ``[launch]``: a combined status every
+  ``status_every`` seconds (jobs extracted / trained, window shards and bytes, store bytes now
+  and peak) and a summary at the end.
 * Signals: the first SIGINT / SIGTERM / SIGHUP sends SIGTERM to both process groups (a clean
   stop: train checkpoints, extract finishes or gives back its jobs); a second one SIGKILLs both
   process trees. The launcher then exits 128 + the first signal (130 for Ctrl-C).
@@ -33,40 +34,17 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_staged.procs import die_with_parent
+from dflash_staged.children import Children, CommandChild
 from dflash_staged.launch.monitor import Monitor, summary
 
 POLL_S = 0.2
 PY = sys.executable
-
-
-def _descendants(pid: int) -> list[int]:
-    """Pids of every live descendant of `pid` (Linux /proc; [] elsewhere)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return []
-    for e in entries:
-        try:
-            with open(f"/proc/{e}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(e))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 @dataclass
@@ -79,71 +57,6 @@ class Proc:
     def describe(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return (env + " " if env else "") + shlex.join(self.cmd)
-
-
-def _die_with_launcher() -> None:  # runs in the child between fork and exec
-    die_with_parent(signal.SIGTERM)
-
-
-class _Child:
-    def __init__(self, proc: Proc, say):
-        self.name, self.say = proc.name, say
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
-        self.p = subprocess.Popen(proc.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, start_new_session=True,
-                                  preexec_fn=_die_with_launcher if sys.platform == "linux" else None)
-        self.t0, self.t1 = time.monotonic(), None
-        self.code: int | None = None
-        self.stopped = False  # the launcher asked it to stop (so its exit is not a failure)
-        self.reader = threading.Thread(target=self._read, daemon=True, name=f"read-{self.name}")
-
-    def _read(self) -> None:
-        for raw in iter(self.p.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\r\n").rsplit("\r", 1)[-1]  # last redraw of a \r line
-            self.say(line, self.name)
-
-    def poll(self) -> bool:
-        """True while running; records the exit code and time once it has exited."""
-        if self.code is None and self.p.poll() is not None:
-            self.code, self.t1 = self.p.returncode, time.monotonic()
-        return self.code is None
-
-    @property
-    def failed(self) -> bool:
-        return self.code is not None and self.code != 0 and not self.stopped
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if sig == signal.SIGKILL:
-            self.kill_tree()
-            return
-        if self.code is None:
-            self.stopped = True
-            try:
-                os.killpg(self.p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def kill_tree(self) -> None:
-        """SIGKILL the child's process group and every descendant (torchrun ranks have their own sessions)."""
-        running = self.p.poll() is None
-        if self.code is None:
-            self.stopped = True
-        for pid in (_descendants(self.p.pid) if running else []):  # collected before anything dies
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def seconds(self) -> float:
-        return (self.t1 or time.monotonic()) - self.t0
-
-    def exit_code(self) -> int:
-        c = self.code if self.code is not None else 1
-        return 128 - c if c < 0 else c  # killed by signal N -> 128 + N
 
 
 def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_cmd: list[str],
@@ -160,119 +73,144 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
     processes it would start and returns 0.
     """
     out = out or sys.stdout
-    lock = threading.RLock()
-    procs = ([Proc("plan", plan_cmd)] if plan_cmd else []) + \
-        [Proc("extract", extract_cmd, dict(env_extract or {})), Proc("train", train_cmd, dict(env_train or {}))]
+    plan = Proc("plan", plan_cmd) if plan_cmd else None
+    ex = Proc("extract", extract_cmd, dict(env_extract or {}))
+    tr = Proc("train", train_cmd, dict(env_train or {}))
     if dry_run:
-        for p in procs:
+        for p in [plan, ex, tr] if plan else [ex, tr]:
             print(f"[dry-run] {p.name}: {p.describe()}", file=out, flush=True)
         return 0
+    launch = _Launch(out, store, status_every=status_every, stall_s=stall_s, extract_grace_s=extract_grace_s)
+    # (signals ignored on purpose, e.g. SIGHUP under nohup, stay so)
+    with launch.children.forwarding(signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        launch.mon = Monitor(manifest, store, run_dir)
+        try:
+            t_start, plan_s = time.monotonic(), 0.0
+            if plan is not None:
+                code, plan_s = launch.plan(plan)
+                if code is not None:
+                    return code
+            if after_plan is not None:
+                after_plan()
+            code, ex_child, tr_child = launch.side_by_side(ex, tr)
+            summary(launch.say, launch.mon, code, plan_s, ex_child, tr_child, time.monotonic() - t_start,
+                    summary_path)
+            return code
+        finally:
+            launch.children.close(grace=0)  # a finished child's leftovers, or a child running after an error
+            launch.mon.close()
 
-    def say(text: str, who: str = "launch") -> None:
-        with lock:
-            print(f"[{who}] {text}", file=out, flush=True)
 
-    children: dict[str, _Child] = {}
-    sigs: list[int] = []  # signals received, in order; reported by the main loop (no printing in a handler)
+class _Launch:
+    """One run of :func:`run_side_by_side`: its children, its output, the signals it got."""
 
-    def on_signal(signum, _frame):
-        sigs.append(signum)
-        for c in list(children.values()):
-            c.stop(signal.SIGKILL if len(sigs) > 1 else signal.SIGTERM)
+    def __init__(self, out, store: Path | None, *, status_every: float, stall_s: float,
+                 extract_grace_s: float):
+        self.out, self.lock = out, threading.RLock()
+        self.store = store
+        self.status_every, self.stall_s, self.extract_grace_s = status_every, stall_s, extract_grace_s
+        self.running: dict[str, CommandChild] = {}
+        self.children = Children(lambda: list(self.running.values()))
+        self.mon: Monitor | None = None
+        self.signals_said = 0
 
-    old = {}
-    if threading.current_thread() is threading.main_thread():  # (signals ignored on purpose, e.g. nohup, stay so)
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-               if signal.getsignal(s) is not signal.SIG_IGN}
-    mon = Monitor(manifest, store, run_dir)
-    said = [0]
+    def say(self, text: str, who: str = "launch") -> None:
+        with self.lock:
+            print(f"[{who}] {text}", file=self.out, flush=True)
 
-    def report_signals() -> None:
-        while said[0] < len(sigs):
-            name = signal.Signals(sigs[said[0]]).name
-            say(f"{name}: " + ("stopping cleanly (train checkpoints); send it again to kill" if said[0] == 0
-                               else "killing every child process"))
-            said[0] += 1
+    def report_signals(self) -> None:
+        """Say the signals received so far (never from the signal handler itself)."""
+        sigs = self.children.signals
+        while self.signals_said < len(sigs):
+            name = signal.Signals(sigs[self.signals_said]).name
+            self.say(f"{name}: " + ("stopping cleanly (train checkpoints); send it again to kill"
+                                    if self.signals_said == 0 else "killing every child process"))
+            self.signals_said += 1
 
-    t_start = time.monotonic()
-    plan_s = 0.0
-    try:
-        if plan_cmd:
-            say("planning: " + procs[0].describe())
-            c = children["plan"] = _Child(procs[0], say)
-            c.reader.start()
-            while c.poll():
-                time.sleep(POLL_S)
-                report_signals()
-            c.reader.join(timeout=5)
-            plan_s = c.seconds()
-            report_signals()
-            if sigs:
-                return 128 + sigs[0]
-            if c.code != 0:
-                say(f"plan failed (exit {c.exit_code()}); nothing else was started")
-                return c.exit_code()
-            del children["plan"]
-        if after_plan is not None:
-            after_plan()
-        for p in procs[-2:]:
-            say(f"starting {p.name}: {p.describe()}")
-        # Both start before their reader threads, so preexec_fn never runs alongside our other threads.
-        ex = children["extract"] = _Child(procs[-2], say)
-        tr = children["train"] = _Child(procs[-1], say)
-        if sigs:  # a signal that arrived while they were starting
-            ex.stop(), tr.stop()
-        ex.reader.start(), tr.reader.start()
-        last_status = progress_t = last_check = time.monotonic()
-        progress_sig, drain_said = None, False
-        while ex.poll() | tr.poll():
+    def start(self, proc: Proc) -> CommandChild:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
+        c = CommandChild(proc.name, proc.cmd, env, lambda line: self.say(line, proc.name))
+        self.running[proc.name] = c
+        return c
+
+    def plan(self, proc: Proc) -> tuple[int | None, float]:
+        """Run the plan to completion: (None, its seconds) once it succeeded, else (the exit code, ...)."""
+        self.say("planning: " + proc.describe())
+        c = self.start(proc)
+        c.reader.start()
+        while c.alive():
             time.sleep(POLL_S)
-            report_signals()
+            self.report_signals()
+        c.reader.join(timeout=5)
+        self.report_signals()
+        if self.children.signals:
+            return 128 + self.children.signals[0], c.seconds()
+        if c.code != 0:
+            self.say(f"plan failed (exit {c.exit_code()}); nothing else was started")
+            return c.exit_code(), c.seconds()
+        del self.running["plan"]
+        return None, c.seconds()
+
+    def side_by_side(self, ex_proc: Proc, tr_proc: Proc) -> tuple[int, CommandChild, CommandChild]:
+        """Run extract and train until both have exited: (the exit code, extract, train)."""
+        for p in (ex_proc, tr_proc):
+            self.say(f"starting {p.name}: {p.describe()}")
+        # Both start before their reader threads, so preexec_fn never runs alongside our other threads.
+        ex, tr = self.start(ex_proc), self.start(tr_proc)
+        self.children.catch_up()  # a signal that arrived while they were starting
+        ex.reader.start(), tr.reader.start()
+        last_status = time.monotonic()
+        drain = _Drain(self, ex, tr)
+        while ex.alive() | tr.alive():
+            time.sleep(POLL_S)
+            self.report_signals()
             ex.poll(), tr.poll()
             now = time.monotonic()
             if tr.code is not None and ex.code is None and not ex.stopped \
-                    and (tr.failed or now - tr.t1 > extract_grace_s):
-                say(f"train exited ({tr.exit_code()}); stopping extract")
+                    and (tr.failed or now - tr.t1 > self.extract_grace_s):
+                self.say(f"train exited ({tr.exit_code()}); stopping extract")
                 ex.stop()
-            if ex.failed and tr.code is None and not tr.stopped and (not drain_said or now - last_check >= 1.0):
-                last_check = now
-                if not drain_said:
-                    say(f"extract failed (exit {ex.exit_code()}); train goes on with the shards already written "
-                        "and stops by itself (Ctrl-C stops it now)")
-                    drain_said = True
-                st = mon.status()
-                sig = None if st is None else (st["jobs"], st["window"])
-                if sig != progress_sig:
-                    progress_sig, progress_t = sig, now
-                if store is not None and not Path(store).exists():
-                    say(f"no store at {store}: nothing to train on; stopping train")
-                    tr.stop()
-                elif now - progress_t > stall_s:
-                    say(f"no progress in the manifest for {stall_s:.0f} s since extract failed; stopping train")
-                    tr.stop()
-            mon.sample_store()
-            if now - last_status >= status_every:
-                line = mon.line()
+            if ex.failed and tr.code is None and not tr.stopped:
+                drain.check(now)
+            self.mon.sample_store()
+            if now - last_status >= self.status_every:
+                line = self.mon.line()
                 if line:
-                    say(line)
+                    self.say(line)
                 last_status = now
         for c in (ex, tr):
             c.reader.join(timeout=5)
-        report_signals()
-        if sigs:
-            code = 128 + sigs[0]
-        elif tr.failed:
-            code = tr.exit_code()
-        elif ex.failed:
-            code = ex.exit_code()
-        else:
-            code = 0
-        summary(say, mon, code, plan_s, ex, tr, time.monotonic() - t_start, summary_path)
-        return code
-    finally:
-        for c in children.values():
-            c.poll()
-            c.kill_tree()  # leftovers of a finished child, or a child still running after an exception
-        for s, h in old.items():
-            signal.signal(s, h)
-        mon.close()
+        self.report_signals()
+        if self.children.signals:
+            return 128 + self.children.signals[0], ex, tr
+        return (tr.exit_code() if tr.failed else ex.exit_code() if ex.failed else 0), ex, tr
+
+
+class _Drain:
+    """Extract failed and train drains: stop train when there is no store, or no progress for ``stall_s``."""
+
+    def __init__(self, launch: _Launch, ex: CommandChild, tr: CommandChild):
+        self.launch, self.ex, self.tr = launch, ex, tr
+        self.said, self.last_check = False, 0.0
+        self.progress, self.progress_t = None, time.monotonic()  # the manifest's last state, and since when
+
+    def check(self, now: float) -> None:
+        la = self.launch
+        if self.said and now - self.last_check < 1.0:
+            return
+        self.last_check = now
+        if not self.said:
+            la.say(f"extract failed (exit {self.ex.exit_code()}); train goes on with the shards already "
+                   "written and stops by itself (Ctrl-C stops it now)")
+            self.said = True
+        st = la.mon.status()
+        progress = None if st is None else (st["jobs"], st["window"])
+        if progress != self.progress:
+            self.progress, self.progress_t = progress, now
+        if la.store is not None and not Path(la.store).exists():
+            la.say(f"no store at {la.store}: nothing to train on; stopping train")
+            self.tr.stop()
+        elif now - self.progress_t > la.stall_s:
+            la.say(f"no progress in the manifest for {la.stall_s:.0f} s since extract failed; "
+                   "stopping train")
+            self.tr.stop()

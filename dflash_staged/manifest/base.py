@@ -134,7 +134,10 @@ class Manifest(abc.ABC):
         """Raise ManifestMismatchError unless this manifest holds the plan ``wanted``
         (:func:`~dflash_staged.manifest.states.plan_identity`)."""
         m = self.meta
-        have = plan_identity(m["config"], m["data_hash"], m["epochs"], m["seed"])
+        defaults = Config().to_dict()  # a key the config gained since this plan reads as its default
+        snapshot = {k: {**defaults.get(k, {}), **v} if isinstance(v, dict) else v
+                    for k, v in m["config"].items()}
+        have = plan_identity(snapshot, m["data_hash"], m["epochs"], m["seed"])
         diffs = diff_dicts(have, wanted)
         if diffs:
             raise ManifestMismatchError(

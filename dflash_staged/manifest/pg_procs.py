@@ -2,9 +2,11 @@
 
 A registration (table ``procs``) records role, host name, boot id, pid and start time, group and
 rank. :class:`Registry` keeps this handle's registrations alive from a heartbeat thread on its own
-connection, every lease / 4, where the lease is ``extract.lease_s`` of the plan. A registration
-is alive when, on this host, its process is (pid, start time, boot id: :func:`~dflash_staged.procs.pid_alive`),
-and, seen from another host, while its heartbeat is younger than the lease. ``register`` takes an
+connection, every lease / 4, where the lease is the plan's
+:attr:`~dflash_staged.config.ExtractConfig.registration_liveness` (``extract.registration_liveness_s``,
+by default ``extract.lease_s``; the manifest passes it in). A registration is alive when, on this
+host, its process is (pid, start time, boot id: :func:`~dflash_staged.procs.pid_alive`), and, seen
+from another host, while its heartbeat is younger than the lease. ``register`` takes an
 advisory lock, drops dead registrations of its role, and with ``exclusive`` refuses a live one of
 another group (one trainer, whose ranks share a group). An extractor's registration dropped while
 its host was cut off is written again by its next heartbeat; an exclusive one is not: that trainer
@@ -74,7 +76,8 @@ class Registry:
                     raise TrainerBusyError(
                         f"another {role} (host {p['host']}, pid {p['pid']}) already uses {self.addr.display}; stop it "
                         "first, or run both as ranks of one DDP job (torchrun); a process cut off from the server "
-                        f"counts as alive until {lease:.0f} s (extract.lease_s) after its last heartbeat")
+                        f"counts as alive until {lease:.0f} s (extract.registration_liveness_s, by default "
+                        "extract.lease_s) after its last heartbeat")
             cur.execute(_INSERT + " ON CONFLICT (id) DO UPDATE SET heartbeat = EXCLUDED.heartbeat, "
                         "group_id = EXCLUDED.group_id, rank = EXCLUDED.rank, info = EXCLUDED.info", row)
             self._event(cur, None, f"start:{role}", json.dumps(info or {}))

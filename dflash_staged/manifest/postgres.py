@@ -18,8 +18,8 @@ same ``status --json`` as the SQLite backend; what differs is how hosts share it
 - **Liveness.** A claim records host name, boot id, pid and start time, and a lease deadline on the
   server's clock. Anyone reclaims an expired lease; a claim whose process is gone is reclaimable at
   once only by a process on the same host (same host name; another boot id proves it gone). A
-  registered process heartbeats from a thread every lease / 4 and counts as alive, seen from
-  another host, while its heartbeat is younger than the lease (``extract.lease_s`` of the plan).
+  registered process heartbeats from a thread and counts as alive, seen from another host, while its
+  heartbeat is younger than the plan's ``extract.registration_liveness_s`` (:mod:`.pg_procs`).
 - **publish** checks the claim (state, worker, attempt and the claiming process: host, boot id,
   pid, start time; a worker id repeats across hosts, and an attempt count that ``claim_next``'s
   unflushed commit lost in a server crash repeats too) with the row locked, runs the commit
@@ -72,7 +72,7 @@ class PostgresManifest(Manifest):
         self.addr, self.address, self._s, self.readonly = addr, addr.display, session, readonly
         self._meta: dict[str, Any] | None = None
         self._samples: SampleReader | None = None
-        self._procs = Registry(addr, session, lambda: float(self.meta["config"]["extract"]["lease_s"]), self._event)
+        self._procs = Registry(addr, session, lambda: self.config.extract.registration_liveness, self._event)
 
     # ------------------------------------------------------------------ creation / opening
     @classmethod

@@ -1,7 +1,8 @@
 """The job state machine: the contract between ``plan``, ``extract`` and ``train``.
 
-This docstring is the one place it is specified; every backend (:mod:`.sqlite`) implements it,
-and no code outside :mod:`dflash_staged.manifest` reads or writes job state.
+This docstring is the one place it is specified; every backend (:mod:`.sqlite` for one host,
+:mod:`.postgres` for many) implements it through the interface of :mod:`.base`, and no code
+outside :mod:`dflash_staged.manifest` reads or writes job state.
 
 A manifest holds the plan's immutable samples (token ids and loss masks), its metadata (the
 config snapshot, the data hash, epochs, seed, tapped layers) and one row per job: one batch of

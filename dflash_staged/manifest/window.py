@@ -2,7 +2,8 @@
 
 The window (:mod:`dflash_staged.manifest.states`) bounds the shards claimed, written or consumed
 but not released. Extract checks this rule before it starts and the trainer checks it again
-against the settings extract published (``extract_window`` in the manifest's metadata).
+against the settings extract published (:class:`WindowSettings`, ``extract_window`` in the
+manifest's metadata).
 
 **Refused** (it can deadlock): a window that cannot hold every rank's full buffer, in shards
 (``window < train.buffer_capacity x ranks``) or in bytes (``window_bytes < buffer_capacity x
@@ -20,6 +21,9 @@ checkpoint interval consumes``, the message says by how many shards.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 from dflash_staged.config import Config
 from dflash_staged.manifest.status import human_bytes as _size
@@ -53,3 +57,36 @@ def window_check(cfg: Config, window: int, workers: int, ranks: int, *, window_b
                       f"{t.grad_accum} x {ranks}) = {comfortable}: target workers may idle while the "
                       "trainer holds shards; raise --window to keep them busy")
     return None, None
+
+
+@dataclass(frozen=True)
+class WindowSettings:
+    """The window extract runs with, published in the manifest's metadata under :attr:`KEY` for the
+    trainer to check the rule against. Stored as ``{"shards", "bytes", "workers", "shard_bytes_max"}``
+    (:meth:`to_meta`); a manifest without it (no extract started yet) reads as the config's window,
+    one worker and no byte limit (:meth:`from_meta`)."""
+
+    KEY: ClassVar[str] = "extract_window"
+
+    shards: int
+    window_bytes: int = 0  # 0 = no byte limit
+    workers: int = 1  # extract workers (one per device, or per tensor-parallel group)
+    shard_bytes_max: int = 0  # the plan's largest shard in bytes; 0 = unknown (the byte rule is not checked)
+
+    def to_meta(self) -> dict:
+        return {"shards": self.shards, "bytes": self.window_bytes, "workers": self.workers,
+                "shard_bytes_max": self.shard_bytes_max}
+
+    @classmethod
+    def from_meta(cls, meta: dict | None, fallback_shards: int) -> WindowSettings:
+        """The published settings, or (``meta`` empty) a window of ``fallback_shards`` shards."""
+        if not meta:
+            return cls(shards=int(fallback_shards))
+        return cls(shards=int(meta["shards"]), window_bytes=int(meta.get("bytes") or 0),
+                   workers=int(meta.get("workers") or 1),
+                   shard_bytes_max=int(meta.get("shard_bytes_max") or 0))
+
+    def check(self, cfg: Config, ranks: int) -> tuple[str | None, str | None]:
+        """:func:`window_check` of these settings against ``ranks`` trainer ranks."""
+        return window_check(cfg, self.shards, self.workers, ranks, window_bytes=self.window_bytes,
+                            shard_bytes_max=self.shard_bytes_max)

@@ -5,22 +5,22 @@ write the output once every conversation is answered (see :mod:`dflash_staged.re
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import signal
-import sys
 import time
 from pathlib import Path
 
 import click
 import numpy as np
 
+from dflash_staged.children import Children, Progress, SpawnedChild
 from dflash_staged.errors import DflashError
 from dflash_staged.regenerate.conversations import read_conversations
 from dflash_staged.regenerate.parts import finish, load_done, parts_dir
-from dflash_staged.regenerate.worker import GenOptions, worker_main
+from dflash_staged.regenerate.worker import BatchDone, GenOptions, WorkerFailed, worker_main
 
 POLL_S = 0.2
+STOP_GRACE_S = 30.0  # at the end, workers still running (the supervisor failed) get this long to stop
 
 
 def _batches(convs, batch_size: int) -> list[list]:
@@ -67,67 +67,52 @@ def run_regenerate(prompts: Path, o: GenOptions, batch_size: int = 16) -> dict:
 
 
 def _run_workers(todo: list[list], o: GenOptions, total: int, already: int) -> None:
+    """Feed the batches to one worker per device until each is answered; a worker's error stops the
+    others after their batch, a signal stops them all (a second one kills them)."""
     ctx = mp.get_context("spawn")
     work_q, status_q = ctx.Queue(maxsize=2 * len(o.devices)), ctx.Queue()
-    workers = [ctx.Process(target=worker_main, args=(i, d, o, work_q, status_q), name=f"regenerate-{i}")
-               for i, d in enumerate(o.devices)]
-    stopping = {"n": 0}
-
-    def on_signal(signum, _frame):
-        stopping["n"] += 1
-        for w in workers:
-            if w.is_alive():
-                os.kill(w.pid, signal.SIGTERM if stopping["n"] == 1 else signal.SIGKILL)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    for w in workers:
-        w.start()
-    pending = list(todo) + [None] * len(workers)  # then one sentinel per worker
+    workers: list[SpawnedChild] = []
+    children = Children(lambda: workers)
+    pending = list(todo) + [None] * len(o.devices)  # then one sentinel per worker
     answered, tokens, errors = already, 0, []
-    t0, last = time.time(), 0.0
-    bar = click.progressbar(length=total, label="regenerate", show_pos=True, file=sys.stderr) \
-        if sys.stderr.isatty() else None
-    try:
-        while any(w.is_alive() for w in workers):
-            while pending and not stopping["n"]:
+    t0 = time.time()
+    progress = Progress("regenerate", total)
+    with children.forwarding(signal.SIGINT, signal.SIGTERM):
+        try:
+            for i, d in enumerate(o.devices):
+                workers.append(SpawnedChild(ctx, f"regenerate-{i}", worker_main,
+                                            (i, d, o, work_q, status_q)))
+            children.catch_up()
+            while any(w.alive() for w in workers):
+                while pending and not children.stopping:
+                    try:
+                        work_q.put(pending[0], timeout=0.01)
+                    except queue.Full:
+                        break
+                    pending.pop(0)
                 try:
-                    work_q.put(pending[0], timeout=0.01)
-                except queue.Full:
-                    break
-                pending.pop(0)
-            try:
-                while True:
-                    msg = status_q.get(timeout=POLL_S)
-                    if msg[0] == "done":
-                        answered += len(msg[2])
-                        tokens += sum(sum(r["new_tokens"]) for r in msg[2])
-                    else:
-                        errors.append(f"worker {msg[1]}: {msg[2]}")
-            except queue.Empty:
-                pass
-            rate = tokens / max(1e-9, time.time() - t0)
-            if bar is not None:
-                bar.pos, bar.label = answered, f"regenerate | {rate:,.0f} new tok/s"
-                bar.render_progress()
-            elif time.time() - last > 5:
-                click.echo(f"regenerate: {answered}/{total} conversations | {rate:,.0f} new tok/s", err=True)
-                last = time.time()
-            if errors and not stopping["n"]:
-                on_signal(signal.SIGTERM, None)  # one worker failed: stop the others after their batch
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        for w in workers:
-            w.join(timeout=30)
-            if w.is_alive():
-                w.kill()
+                    while True:
+                        msg = status_q.get(timeout=POLL_S)
+                        if isinstance(msg, BatchDone):
+                            answered += msg.conversations
+                            tokens += msg.new_tokens
+                        elif isinstance(msg, WorkerFailed):
+                            errors.append(f"worker {msg.worker}: {msg.text}")
+                except queue.Empty:
+                    pass
+                rate = tokens / max(1e-9, time.time() - t0)
+                progress.show(answered, f"{answered}/{total} conversations | {rate:,.0f} new tok/s")
+                if errors and not children.stopping:
+                    children.stop()  # one worker failed: stop the others after their batch
+        finally:
+            children.close(grace=STOP_GRACE_S)
     if errors:
         raise DflashError("; ".join(errors)[-2000:] + f" (answers so far are kept in {parts_dir(o.out)}; rerun to go on)")
-    if stopping["n"]:
+    if children.signals:
         raise DflashError(f"stopped by a signal; {answered}/{total} conversations answered and kept in "
                           f"{parts_dir(o.out)}; rerun the same command to go on")
-    if any(w.exitcode for w in workers):
-        raise DflashError(f"a worker died (exit codes {[w.exitcode for w in workers]}); rerun to finish")
+    if any(w.code for w in workers):
+        raise DflashError(f"a worker died (exit codes {[w.code for w in workers]}); rerun to finish")
 
 
 def summarize(recs: list[dict]) -> dict:

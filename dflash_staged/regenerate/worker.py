@@ -20,6 +20,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,21 @@ class GenOptions:
     top_p: float = 1.0
     seed: int = 0
     chat: ChatOptions = field(default_factory=ChatOptions)
+
+
+class BatchDone(NamedTuple):
+    """Report: a batch is answered and appended to the worker's part file."""
+
+    worker: int
+    conversations: int
+    new_tokens: int
+
+
+class WorkerFailed(NamedTuple):
+    """Report: the worker stopped on an error (exit code 2)."""
+
+    worker: int
+    text: str  # the message of a DflashError, else the traceback
 
 
 def render(tok, history: list[dict], chat: ChatOptions) -> list[int]:
@@ -99,7 +115,8 @@ def answer(model, tok, convs: list[Conversation], o: GenOptions, stop_ids: list[
 
 
 def worker_main(rank: int, device: str, o: GenOptions, work_q, status_q) -> None:
-    """Pull batches (lists of conversations) until the None sentinel; exit 0, or 2 on an error."""
+    """Pull batches (lists of conversations) until the None sentinel, reporting each on ``status_q``
+    (:class:`BatchDone`, :class:`WorkerFailed`); exit 0, or 2 on an error."""
     die_with_parent()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -129,9 +146,10 @@ def worker_main(rank: int, device: str, o: GenOptions, work_q, status_q) -> None
                 break
             records = answer(model, tok, batch, o, stop_ids)
             writer.append(records)
-            status_q.put(("done", rank, [r["regenerated"] for r in records]))
+            new_tokens = sum(sum(r["regenerated"]["new_tokens"]) for r in records)
+            status_q.put(BatchDone(rank, len(records), new_tokens))
     except BaseException as e:  # noqa: BLE001 - reported by the supervisor
-        status_q.put(("error", rank, str(e) if isinstance(e, DflashError) else traceback.format_exc()))
+        status_q.put(WorkerFailed(rank, str(e) if isinstance(e, DflashError) else traceback.format_exc()))
         sys.exit(2)
     finally:
         if writer is not None:

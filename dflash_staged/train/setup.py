@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dflash_staged.config import REPLAY_OVERRIDABLE, Config, apply_overrides
-from dflash_staged.manifest.window import window_check
+from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
@@ -43,10 +43,7 @@ def run_config(m: Manifest, opts: TrainOptions) -> Config:
 
 def check_window(m: Manifest, cfg: Config, ranks: int) -> None:
     """The window rule (:mod:`dflash_staged.manifest.window`) against the settings extract published."""
-    w = m.meta.get("extract_window") or {"shards": cfg.extract.window, "workers": 1}
-    err, warn = window_check(cfg, int(w["shards"]), int(w.get("workers", 1)), ranks,
-                             window_bytes=int(w.get("bytes") or 0),
-                             shard_bytes_max=int(w.get("shard_bytes_max") or 0))
+    err, warn = WindowSettings.from_meta(m.meta.get(WindowSettings.KEY), cfg.extract.window).check(cfg, ranks)
     if err:
         raise DflashError(f"{m.address}: extract runs with {err}")
     if warn:
