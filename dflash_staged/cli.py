@@ -281,7 +281,7 @@ def regenerate(prompts_path, target_spec, out_path, devices, max_new_tokens, tem
     way `dflash plan` will render them."""
     from dflash_staged.config import load_config, target_from_spec
     from dflash_staged.extract.options import parse_devices
-    from dflash_staged.plan.chat import ChatOptions
+    from dflash_staged.chat import ChatOptions
     from dflash_staged.regenerate.command import run_regenerate
     from dflash_staged.regenerate.worker import GenOptions
     chat = ChatOptions.from_config(load_config(target_spec).data) if target_spec.endswith(".toml") else ChatOptions()

@@ -1,4 +1,4 @@
-"""The user-facing error type. The CLI prints its message on one line, with no traceback.
+"""The user-facing error types. The CLI prints their message on one line, with no traceback.
 
 Every message names what was wrong (file, line, field, path) and what to do about it.
 """
@@ -11,6 +11,18 @@ import sys
 
 class DflashError(Exception):
     """An error the user can fix; the CLI prints ``error: <message>`` and exits 1."""
+
+
+class DatasetError(DflashError, ValueError):
+    """The data or one of its records is unusable; the message names the file, line or row, and field."""
+
+
+class BadRecord(Exception):
+    """Internal: one bad record (field, message); turned into DatasetError, or counted with --skip-bad."""
+
+    def __init__(self, field: str, msg: str):
+        super().__init__(msg)
+        self.field = field
 
 
 def user_errors(fn):

@@ -12,7 +12,7 @@ from helpers import demo_prepare
 
 demo = demo_prepare()
 from dflash_staged.config import dflash_target_layers, load_config
-from dflash_staged.model.draft_config import DraftModelConfig
+from dflash_staged.model.config_json import DraftModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2-demo.toml"

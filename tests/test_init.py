@@ -87,7 +87,7 @@ def test_shapes_that_cannot_match_are_refused(change, needle):
 
 
 def test_auto_copies_where_the_layers_fit_and_keeps_random_weights_where_not(capsys):
-    from dflash_staged.train.setup import init_from_target_layers
+    from dflash_staged.train.trained_drafter import init_from_target_layers
     d, tcfg = drafter_for("qwen3", layers=2, taps=(1, 3, 4))
     cfg = Config(target=tcfg)
     assert cfg.drafter.init == "auto"  # the default for new runs

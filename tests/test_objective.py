@@ -6,7 +6,7 @@ from dflash_staged.config import TrainConfig
 from dflash_staged.model.drafter import DFlashDrafter
 from dflash_staged.train.distributed import Dist
 from dflash_staged.train.loop import forward_backward
-from dflash_staged.train.model import DrafterModel
+from dflash_staged.train.trained_drafter import DrafterModel
 from dflash_staged.train.objective import block_acceptance, block_labels, dflash_loss, sample_anchors, training_tau
 from dflash_staged.train.optim import Optimizer
 from helpers import make_drafter, one_by_one, packed_batch

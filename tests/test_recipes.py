@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dflash_staged.config import dflash_target_layers, load_config
-from dflash_staged.model.draft_config import DraftModelConfig
+from dflash_staged.model.config_json import DraftModelConfig
 from dflash_staged.launch.disk import disk_requirements
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -92,7 +92,7 @@ def test_imports_have_no_cycle():
 
 def test_stages_import_downward():
     """Lower layers never import higher ones: e.g. the manifest and the store know nothing of the stages."""
-    layers = [["errors", "procs", "children", "sizes"], ["fsutil", "dtypes", "config"], ["manifest", "store", "model"],
+    layers = [["errors", "procs", "children", "sizes"], ["fsutil", "dtypes", "config", "chat"], ["manifest", "store", "model"],
               ["plan", "extract", "train", "regenerate"], ["evaluate"], ["launch"], ["cli", "__main__"]]
     rank = {name: i for i, names in enumerate(layers) for name in names}
 

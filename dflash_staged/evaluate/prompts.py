@@ -4,7 +4,7 @@ A ``{"messages": [...]}`` line is rendered with the target's chat template and t
 prompt, after dropping trailing assistant turns (a reference answer); an ``{"input_ids": [...]}``
 line is used as it is. Bad lines are errors naming ``file:line`` and the field.
 
-The chat template's options (:class:`~dflash_staged.plan.chat.ChatOptions`) are those the
+The chat template's options (:class:`~dflash_staged.chat.ChatOptions`) are those the
 training data was rendered with, so training and evaluation render alike
 (:func:`chat_options`): the ``chat`` record in the drafter checkpoint's ``trainer_state.json``
 (copied there from the manifest); for a checkpoint without one, the ``[data]`` section of
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dflash_staged.config import load_config
 from dflash_staged.errors import DflashError
-from dflash_staged.plan.chat import ChatOptions
+from dflash_staged.chat import ChatOptions
 
 
 def chat_options(ckpt: Path, target_spec: str, kwargs: dict | None = None,

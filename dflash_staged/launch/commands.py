@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from dflash_staged.errors import user_errors
-from dflash_staged.launch.layout import DEFAULT_TARGET_TOK_S, node_layout, pipeline_layout
+from dflash_staged.launch.processes import DEFAULT_TARGET_TOK_S, node_layout, pipeline_layout
 from dflash_staged.sizes import ByteSize
 
 

@@ -1,7 +1,7 @@
 """Run ``plan`` (if needed), then ``extract`` and ``train`` side by side under one supervisor.
 
 ``dflash pipeline`` (any machine) and ``dflash node`` (one GPU node split between the stages)
-build their commands in :mod:`dflash_staged.launch.layout`; this module's
+build their commands in :mod:`dflash_staged.launch.processes`; this module's
 :func:`run_side_by_side` runs and supervises them. Work directory layout::
 
     WORKDIR/manifest   the plan (``dflash plan``; planned only when it does not exist yet)

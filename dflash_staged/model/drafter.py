@@ -30,7 +30,7 @@ Contract (the trainer, the evaluator and :mod:`dflash_staged.weights` rely on it
   context's keys/values that decoding extends and crops as the reference's draft
   ``DynamicCache``. They agree to fp32 rounding.
 * **Checkpoint.** :class:`DraftModelConfig` is the reference ``config.json``
-  (z-lab ``DFlashDraftModel``, in :mod:`dflash_staged.draft_config`); parameter
+  (z-lab ``DFlashDraftModel``, in :mod:`dflash_staged.model.config_json`); parameter
   names are those of the reference (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ``hidden_norm.weight``,
   ``norm.weight``, ...). Save/load lives in :mod:`dflash_staged.weights`.
 * **Precision.** Parameters are created in fp32. On CUDA the trainer runs the
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visible, context_visible, sdpa
-from dflash_staged.model.draft_config import ARCHITECTURE, SLIDING, DraftModelConfig  # noqa: F401 (re-export)
+from dflash_staged.model.config_json import ARCHITECTURE, SLIDING, DraftModelConfig  # noqa: F401 (re-export)
 from dflash_staged.errors import DflashError
 
 

@@ -15,7 +15,7 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
     """
     from dflash_staged.config import ConfigError, load_config
     from dflash_staged.model.dims import target_dims
-    from dflash_staged.plan.chat import ChatOptions
+    from dflash_staged.chat import ChatOptions
     from dflash_staged.plan.dataset import load_dataset
     from dflash_staged.manifest import Manifest
     from dflash_staged.model.target import resolve_layer_ids
@@ -60,7 +60,7 @@ def format_plan_summary(samples, plan: Plan, data_path: str, max_len: int, min_l
     for ex in getattr(samples, "bad_examples", [])[:3]:
         lines.append(f"    e.g. {ex}")
     if st.get("off_prompt"):
-        from dflash_staged.plan.chat import off_prompt_warning
+        from dflash_staged.chat import off_prompt_warning
         lines.append("  " + off_prompt_warning(st["off_prompt"]))
     lows = [1] + [e + 1 for e in plan.edges[:-1]]
     buckets = [f"{a}-{b}: {n}" for a, b, n in zip(lows, plan.edges, plan.bucket_counts())]

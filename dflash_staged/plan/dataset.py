@@ -4,7 +4,7 @@ The input formats (JSONL, parquet, saved datasets; detected per file) are read a
 records by :mod:`dflash_staged.plan.formats`; what a record may hold (token ids, ``messages``,
 ShareGPT-style ``conversations``) and how it becomes ids and a mask is
 :mod:`dflash_staged.plan.records`; how conversations are rendered (chat template, its options)
-and which tokens carry the loss is :mod:`dflash_staged.plan.chat`. The tokenizer is loaded only
+and which tokens carry the loss is :mod:`dflash_staged.chat`. The tokenizer is loaded only
 if a conversation appears.
 
 Per sample, in this order: bad records raise :class:`DatasetError` naming ``file:line`` (JSONL)
@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from dflash_staged.config import Config, TargetConfig
 from dflash_staged.plan import formats
-from dflash_staged.plan.chat import ChatOptions, assistant_spans, tokenize_messages  # noqa: F401 - re-exported
-from dflash_staged.plan.errors import BadRecord, DatasetError
+from dflash_staged.chat import ChatOptions, assistant_spans, tokenize_messages  # noqa: F401 - re-exported
+from dflash_staged.errors import BadRecord, DatasetError
 from dflash_staged.plan.formats import data_hash  # noqa: F401 - re-exported: the manifest's data identity
 from dflash_staged.plan.records import KINDS, RecordParser
 

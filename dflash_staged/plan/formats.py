@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from dflash_staged.plan.errors import DatasetError
+from dflash_staged.errors import DatasetError
 
 BATCH_ROWS = 1024
 COLUMNS = ("input_ids", "loss_mask", "messages", "conversations", "system")

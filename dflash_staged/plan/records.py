@@ -9,11 +9,11 @@ A record is an object holding one of
   ``from`` is ``human`` or ``user`` (-> user), ``gpt`` or ``assistant`` (-> assistant), or
   ``system``; a string ``system`` field beside it becomes a leading system message.
 
-Conversations are rendered and masked by :mod:`dflash_staged.plan.chat`. Other fields are
+Conversations are rendered and masked by :mod:`dflash_staged.chat`. Other fields are
 ignored. In a row (parquet, dataset) a null field counts as absent, so a table may hold
 conversations in some rows and token ids in others; in a turn a null ``content``/``value`` is a
 missing field. An unknown role, an empty conversation, a turn without text, ids outside the
-vocabulary or the drafter's mask id are :class:`~dflash_staged.plan.errors.BadRecord` naming
+vocabulary or the drafter's mask id are :class:`~dflash_staged.errors.BadRecord` naming
 the field.
 """
 
@@ -26,8 +26,8 @@ import numpy as np
 
 from dflash_staged.config import Config
 from dflash_staged.model.dims import target_dims
-from dflash_staged.plan.chat import ChatOptions, tokenize_messages
-from dflash_staged.plan.errors import BadRecord
+from dflash_staged.chat import ChatOptions, tokenize_messages
+from dflash_staged.errors import BadRecord
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FROM_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

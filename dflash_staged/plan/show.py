@@ -37,7 +37,7 @@ def show_data(config_path: str | Path, data_path: str | Path, *, num: int = 3, l
               skip_bad: bool = False, progress: bool = False) -> dict:
     """The report described in the module docstring."""
     from dflash_staged.config import load_config
-    from dflash_staged.plan.chat import ChatOptions
+    from dflash_staged.chat import ChatOptions
     from dflash_staged.plan.dataset import _load_tokenizer, load_dataset
 
     cfg = load_config(config_path)
@@ -77,7 +77,7 @@ def summary_lines(r: dict) -> list[str]:
                                           + [f"max {ln['max']}", f"mean {ln['mean']:.1f}"])]
     out += [f"  e.g. {ex}" for ex in r["bad_examples"][:3]]
     if st.get("off_prompt"):
-        from dflash_staged.plan.chat import off_prompt_warning
+        from dflash_staged.chat import off_prompt_warning
         out.append(off_prompt_warning(st["off_prompt"]))
     if r["not_found"]:
         out.append("not samples (blank, bad or skipped; see the counts above): line/row "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_staged.plan.errors import BadRecord, DatasetError
+from dflash_staged.errors import BadRecord, DatasetError
 from dflash_staged.plan.formats import sources
 from dflash_staged.plan.records import decode_line, parse_conversations, parse_messages
 

@@ -3,7 +3,7 @@
 A batch's conversations are answered round by round: round r generates, for every conversation
 that has one, the answer to its r-th user turn, given the system and user turns and the answers
 regenerated so far, rendered with the chat template (``add_generation_prompt``) and its options
-(:class:`~dflash_staged.plan.chat.ChatOptions`, as ``plan`` renders the training data).
+(:class:`~dflash_staged.chat.ChatOptions`, as ``plan`` renders the training data).
 Prompts are left-padded for generation. A generation stops at a stop token (``eos``) or after
 ``max_new_tokens`` (``length``); the answer is the text of the tokens before the stop token.
 Sampling (``temperature > 0``) is seeded per batch and round, so a rerun gives the same text.
@@ -26,7 +26,7 @@ import torch
 
 from dflash_staged.config import TargetConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.plan.chat import ChatOptions
+from dflash_staged.chat import ChatOptions
 from dflash_staged.procs import die_with_parent
 from dflash_staged.regenerate.conversations import Conversation
 from dflash_staged.regenerate.parts import PartWriter

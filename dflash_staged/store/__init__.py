@@ -1,9 +1,9 @@
 """The hidden-state shard store: extract writes shards, train reads and deletes them.
 
-The on-disk layout is specified in :mod:`dflash_staged.store.layout`.
+The on-disk layout is specified in :mod:`dflash_staged.store.shard_store`.
 """
 
-from dflash_staged.store.layout import ShardStore  # noqa: F401
+from dflash_staged.store.shard_store import ShardStore  # noqa: F401
 from dflash_staged.store.meta import (ARRAYS, COMPRESSIONS, FORMAT_VERSION, LOGICAL_DTYPES, Shard,  # noqa: F401
                                       ShardCorruptError, ShardError, ShardInfo, ShardMissingError, ShardTruncatedError,
                                       StagedShard, StoreFullError, StoreMeta, StoreMismatchError, StoreMissingError,

@@ -1,6 +1,6 @@
 """The store's vocabulary: format constants, metadata records, shard tensors and errors.
 
-The layout they describe is specified in :mod:`dflash_staged.store.layout`.
+The layout they describe is specified in :mod:`dflash_staged.store.shard_store`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The trainer, assembled from components: :func:`build_trainer` returns a :class:`Trainer` that
 :func:`dflash_staged.train.loop.train_loop` drives.
 
-Components (each owns one thing): :class:`~dflash_staged.train.model.DrafterModel` (the drafter,
+Components (each owns one thing): :class:`~dflash_staged.train.trained_drafter.DrafterModel` (the drafter,
 autocast, the objective), :class:`~dflash_staged.train.optim.Optimizer` (AdamW, the lr schedule),
 a shard source (:mod:`dflash_staged.train.sources`: the live manifest or a kept store) feeding a
 :class:`~dflash_staged.train.buffer.ShardBuffer`, the :class:`~dflash_staged.train.ledger.Ledger`
@@ -25,13 +25,13 @@ from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
-from dflash_staged.train import setup
+from dflash_staged.train import inputs
 from dflash_staged.train.buffer import ShardBuffer, bound_host_memory
 from dflash_staged.train.distributed import Dist
 from dflash_staged.train.draw import raise_together
 from dflash_staged.train.ledger import Ledger
 from dflash_staged.train.metrics import MetricsLog
-from dflash_staged.train.model import DrafterModel
+from dflash_staged.train.trained_drafter import DrafterModel, build_drafter
 from dflash_staged.train.optim import Optimizer
 from dflash_staged.train.options import TrainOptions
 from dflash_staged.train.progress import Progress
@@ -142,24 +142,24 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     """Open everything a run needs, resume from the newest checkpoint in ``opts.out`` if any
     (``extra_states``: more checkpointed components, restored after the built-in ones)."""
     bound_host_memory()
-    device = setup.pick_device(opts.device)
+    device = inputs.pick_device(opts.device)
     dist = Dist(device)
     m = Manifest.open(opts.manifest, readonly=opts.replay)
-    cfg = setup.run_config(m, opts)
+    cfg = inputs.run_config(m, opts)
     opts.out.mkdir(parents=True, exist_ok=True)
     if dist.rank == 0:  # the one writer of checkpoints (on a shared filesystem, ranks of other nodes see them too)
         ckpt.cleanup_tmp(opts.out)
     if not opts.replay:
         m.register("train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)})
-        setup.check_window(m, cfg, dist.world)
-    store = setup.wait_for_store(opts, m)
+        inputs.check_window(m, cfg, dist.world)
+    store = inputs.wait_for_store(opts, m)
     if not opts.replay and dist.rank == 0:
         # half-deleted shards of a killed trainer, half-written ones of dead workers, stale ones
         store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
-    model = DrafterModel(setup.build_drafter(cfg, store, device, opts.init_from), cfg.train, device, dist.rank)
+    model = DrafterModel(build_drafter(cfg, store, device, opts.init_from), cfg.train, device, dist.rank)
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:
-        order = setup.load_order(opts.order_from) if opts.order_from else None
+        order = inputs.load_order(opts.order_from) if opts.order_from else None
         source = ReplaySource(m, store, passes=opts.passes, order=order)
         natural = len(order) if order else -(-len(source.sequence) // world_steps)
     else:

@@ -226,7 +226,7 @@ def _crashes() -> bool:
 
 # Each patch names the attributes it replaces directly, so a rename fails loudly (AttributeError at import).
 _PATCHES = {"dflash_staged.store.shardfiles": (_patch_shardfiles, lambda: "enospc_flag" in CFG or _crashes()),
-            "dflash_staged.store.layout": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
+            "dflash_staged.store.shard_store": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
             "dflash_staged.train.checkpoint": (_patch_checkpoint,
                                                lambda: _crashes() or "checkpoint_enospc_flag" in CFG),
             "dflash_staged.fsutil": (_patch_fsutil, _crashes),

@@ -1,70 +1,88 @@
-"""The pieces :func:`dflash_staged.train.trainer.build_trainer` assembles: the device, the config
-(with ``--set`` overrides), the store (waited for while extract creates it), the drafter with
-the target's frozen embedding and head, and a recorded step order to replay."""
+"""The drafter being trained: how it is built and initialised (:func:`build_drafter`: the target's
+frozen embedding and head, the target's top layers or another run's weights), and its numerics
+(:class:`DrafterModel`: device, autocast, the objective and its statistics).
+
+On CUDA the forward runs under bf16 autocast and the frozen target embedding and LM head are
+bf16; on CPU everything is fp32. Parameters are fp32 masters either way. Attention is
+``train.attention`` resolved for the device (flex on CUDA by default; a clear error where the
+requested path cannot run). A microbatch's loss is its weighted CE *sum*; the optimizer divides
+the step's gradients by the step's total weight (see :mod:`dflash_staged.train.objective`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from dflash_staged.config import REPLAY_OVERRIDABLE, Config, apply_overrides
-from dflash_staged.manifest.window import WindowSettings
+from dflash_staged.config import Config, TrainConfig
+from dflash_staged.model.drafter import DFlashDrafter
+from dflash_staged.model.flex_blocks import resolve_attention
+from dflash_staged.model.weights import write_drafter_files
 from dflash_staged.errors import DflashError
-from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
-from dflash_staged.train.options import TrainOptions
-
-STORE_WAIT_POLL_S = 0.5
+from dflash_staged.train.objective import dflash_loss, noise_std_at
 
 
-def pick_device(name: str | None) -> torch.device:
-    """``--device``, else CUDA when available; under torchrun each rank takes its LOCAL_RANK GPU."""
-    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+class DrafterModel:
+    """One rank's drafter, its anchor generator and how a microbatch's loss is computed."""
 
+    def __init__(self, drafter: DFlashDrafter, t: TrainConfig, device: torch.device, rank: int):
+        self.drafter, self.t, self.device = drafter, t, device
+        self.params = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+        self.anchor_gen = torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + 101 + rank)
+        self.attention = resolve_attention(t.attention, device)
 
-def run_config(m: Manifest, opts: TrainOptions) -> Config:
-    """The manifest's config snapshot with the allowed ``--set`` overrides applied."""
-    cfg = m.config
-    if opts.overrides:
-        allowed = REPLAY_OVERRIDABLE if opts.replay else {"train": REPLAY_OVERRIDABLE["train"]}
-        cfg = apply_overrides(cfg, opts.overrides, allowed, "train --replay" if opts.replay else "train")
-    return cfg
+    @property
+    def block_size(self) -> int:
+        return self.drafter.block_size
 
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
-def check_window(m: Manifest, cfg: Config, ranks: int) -> None:
-    """The window rule (:mod:`dflash_staged.manifest.window`) against the settings extract published."""
-    err, warn = WindowSettings.from_meta(m.meta.get(WindowSettings.KEY), cfg.extract.window).check(cfg, ranks)
-    if err:
-        raise DflashError(f"{m.address}: extract runs with {err}")
-    if warn:
-        print(f"train: warning: {warn}", file=sys.stderr, flush=True)
+    def noise_std(self, step: int, total_steps: int) -> float:
+        return noise_std_at(step, total_steps, self.t.noise_std, self.t.noise_schedule)
 
+    def loss(self, mb: dict, noise: float):
+        """(weighted CE sum, stats) of one microbatch already on the device; see :func:`dflash_loss`."""
+        with self.autocast():
+            return dflash_loss(self.drafter, mb, self.t.num_anchors, self.t.gamma, self.anchor_gen, noise,
+                               self.t.loss_chunk, denom=1.0, attention=self.attention)
 
-def wait_for_store(opts: TrainOptions, m: Manifest) -> ShardStore:
-    """The store, once extract has created it (a replay needs it at once)."""
-    said = False
-    while not ShardStore.exists(opts.store):
-        if opts.replay:
-            raise DflashError(f"replay: no store at {opts.store}; give the store the live run kept (--store)")
-        if m.extract_done() and not m.counts()["written"]:
-            raise DflashError(f"no store at {opts.store} although {m.address} has nothing left to extract; "
-                              "check --store (it must be the path given to `dflash extract`)")
-        if not said:
-            print(f"train: waiting for the store at {opts.store} (start `dflash extract --manifest {m.address} "
-                  f"--store {opts.store}`)", file=sys.stderr, flush=True)
-            said = True
-        time.sleep(STORE_WAIT_POLL_S)
-    return ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})
+    def zero_stats(self) -> dict[str, torch.Tensor]:
+        z = torch.zeros(self.block_size - 1, dtype=torch.float64, device=self.device)
+        s = torch.zeros((), dtype=torch.float64, device=self.device)
+        return {"correct": z.clone(), "total": z.clone(), "loss_sum": s.clone(), "weight_sum": s.clone(),
+                "accepted": s.clone(), "blocks": s.clone()}
+
+    @staticmethod
+    def add_stats(acc: dict, st: dict) -> None:
+        for k in acc:
+            acc[k] += st[k].detach().to(acc[k].dtype)
+
+    def state_dict(self) -> dict:
+        """The drafter's config (train.checkpoint.Stateful; its weights are the optimizer's masters,
+        and the servable drafter files are written beside the state by :meth:`write_drafter`)."""
+        return {"drafter_config": self.drafter.dcfg.to_dict()}
+
+    def load_state_dict(self, state) -> None:
+        """Refuse a checkpoint of another drafter config (the dtype may differ)."""
+        have, want = state["drafter_config"], self.drafter.dcfg.to_dict()
+        diffs = [f"{k}: {have.get(k)!r} -> {want.get(k)!r}" for k in sorted(set(have) | set(want))
+                 if have.get(k) != want.get(k) and k not in ("dtype", "torch_dtype")]
+        if diffs:
+            raise DflashError(f"checkpoint {getattr(state, 'path', '')} was trained with another drafter config "
+                              f"({'; '.join(diffs[:6])}); use a new --out for this config")
+
+    def write_drafter(self, d) -> None:
+        """The servable reference-format drafter (config.json + model.safetensors) into directory ``d``."""
+        write_drafter_files(self.drafter, d)
 
 
 def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_from: Path | None = None):
@@ -135,11 +153,3 @@ def warm_start(drafter, path: Path) -> Path:
         for k, p in own.items():
             p.copy_(state[k].to(p.dtype))
     return ck
-
-
-def load_order(path: Path) -> dict[int, list[int]]:
-    """``--order-from RUN``: the jobs each step of that run consumed, from its newest checkpoint."""
-    latest = ckpt.latest_checkpoint(path)
-    if latest is None:
-        raise DflashError(f"--order-from {path}: no checkpoint there to read the draw order from")
-    return {step: [c.job for c in items] for step, items in ckpt.load_checkpoint(latest).consumed().items()}

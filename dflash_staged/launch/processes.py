@@ -67,7 +67,7 @@ def plan_cmd_if_needed(config: Path, data: Path, manifest: Path | str, epochs: i
     data would be silently ignored)."""
     from dflash_staged.config import load_config
     from dflash_staged.manifest import Manifest, ManifestMismatchError, plan_identity
-    from dflash_staged.plan.chat import ChatOptions
+    from dflash_staged.chat import ChatOptions
     from dflash_staged.plan.dataset import data_hash
     cmd = dflash_cmd("plan", "--config", config, "--data", data, "--manifest", manifest, "--epochs", str(epochs),
                      "--seed", str(seed))

@@ -34,7 +34,7 @@ import numpy as np
 
 from dflash_staged.config import RENDER_ARGS, DataConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.plan.errors import BadRecord, DatasetError
+from dflash_staged.errors import BadRecord, DatasetError
 
 
 @dataclass
