@@ -41,14 +41,22 @@ DEFAULT_GRID = [
 
 
 def dflash(*args, env: dict | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_staged", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def sets(overrides: dict) -> list[str]:
     """``--set`` flags; the key ``init_from`` (a run directory) becomes ``--init-from``."""
     flags = [x for k, v in overrides.items() if k != "init_from" for x in ("--set", f"{k}={json.dumps(v)}")]
-    return flags + (["--init-from", str(Path(overrides["init_from"]).resolve())] if "init_from" in overrides else [])
+    return flags + (
+        ["--init-from", str(Path(overrides["init_from"]).resolve())] if "init_from" in overrides else []
+    )
 
 
 def step_seconds(metrics: Path) -> float:
@@ -57,43 +65,93 @@ def step_seconds(metrics: Path) -> float:
 
 
 def run_point(i: int, overrides: dict, a, work: Path) -> dict:
-    base = ["train", "--replay", "--manifest", a.manifest, "--store", a.store, "--device", "cpu",
-            "--passes", a.max_passes, *sets(overrides)]
+    base = [
+        "train",
+        "--replay",
+        "--manifest",
+        a.manifest,
+        "--store",
+        a.store,
+        "--device",
+        "cpu",
+        "--passes",
+        a.max_passes,
+        *sets(overrides),
+    ]
     env = {"OMP_NUM_THREADS": str(a.threads)}
     probe = work / f"probe{i}"
-    r = dflash(*base, "--out", probe, "--max-steps", a.probe_steps, "--set", "train.checkpoint_every=100000", env=env)
+    r = dflash(
+        *base, "--out", probe, "--max-steps", a.probe_steps, "--set", "train.checkpoint_every=100000", env=env
+    )
     if r.returncode:
         raise SystemExit(f"setting {overrides}: the probe failed:\n{r.stderr[-2000:]}")
     step_s = step_seconds(probe / "metrics.jsonl")
     steps = max(a.probe_steps, int(a.budget_s / step_s))
     run = work / f"run{i}"
     t0 = time.perf_counter()
-    r = dflash(*base, "--out", run, "--max-steps", steps, "--total-steps", steps,
-               "--set", f"train.warmup_ratio={min(0.3, 30 / steps):.4f}", "--set", "train.checkpoint_every=100000",
-               env=env)
+    r = dflash(
+        *base,
+        "--out",
+        run,
+        "--max-steps",
+        steps,
+        "--total-steps",
+        steps,
+        "--set",
+        f"train.warmup_ratio={min(0.3, 30 / steps):.4f}",
+        "--set",
+        "train.checkpoint_every=100000",
+        env=env,
+    )
     train_s = time.perf_counter() - t0
     if r.returncode:
         raise SystemExit(f"setting {overrides}: the replay failed:\n{r.stderr[-2000:]}")
     done = len((run / "metrics.jsonl").read_text().splitlines())
-    r = dflash("eval", "--drafter", run, "--target", a.config, "--prompts", a.prompts, "--limit", a.eval_prompts,
-               "--max-new-tokens", a.max_new_tokens, "--device", "cpu", "--no-baseline", "--json", env=env)
+    r = dflash(
+        "eval",
+        "--drafter",
+        run,
+        "--target",
+        a.config,
+        "--prompts",
+        a.prompts,
+        "--limit",
+        a.eval_prompts,
+        "--max-new-tokens",
+        a.max_new_tokens,
+        "--device",
+        "cpu",
+        "--no-baseline",
+        "--json",
+        env=env,
+    )
     if r.returncode:
         raise SystemExit(f"setting {overrides}: eval failed:\n{r.stderr[-2000:]}")
     ev = json.loads(r.stdout)
     last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-10:]
-    return {"overrides": overrides, "probe_step_s": round(step_s, 3), "steps": done, "train_s": round(train_s, 1),
-            "tau": ev["tau"], "tau_per_prompt_mean": ev.get("tau_per_prompt_mean"),
-            "per_position_acceptance": ev["per_position_acceptance"][:4],
-            "train_loss_end": round(statistics.mean(x["loss"] for x in last if x["loss"] is not None), 3),
-            "train_tau_end": round(statistics.mean(x["tau"] for x in last if x["tau"] is not None), 3)}
+    return {
+        "overrides": overrides,
+        "probe_step_s": round(step_s, 3),
+        "steps": done,
+        "train_s": round(train_s, 1),
+        "tau": ev["tau"],
+        "tau_per_prompt_mean": ev.get("tau_per_prompt_mean"),
+        "per_position_acceptance": ev["per_position_acceptance"][:4],
+        "train_loss_end": round(statistics.mean(x["loss"] for x in last if x["loss"] is not None), 3),
+        "train_tau_end": round(statistics.mean(x["tau"] for x in last if x["tau"] is not None), 3),
+    }
 
 
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = [", ".join(f"{k.split('.')[-1]}={v}" for k, v in r["overrides"].items()) or "as configured"
-              for r in results]
+
+    labels = [
+        ", ".join(f"{k.split('.')[-1]}={v}" for k, v in r["overrides"].items()) or "as configured"
+        for r in results
+    ]
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(results)))
     ax.barh(range(len(results)), [r["tau"] for r in results], color="tab:blue")
     ax.set_yticks(range(len(results)), labels, fontsize=8)
@@ -109,7 +167,9 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--demo-dir", type=Path, default=ROOT / "runs" / "demo", help="holds manifest/ and store/")
+    ap.add_argument(
+        "--demo-dir", type=Path, default=ROOT / "runs" / "demo", help="holds manifest/ and store/"
+    )
     ap.add_argument("--manifest", type=Path, default=None)
     ap.add_argument("--store", type=Path, default=None)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-demo.toml")
@@ -133,9 +193,14 @@ def main() -> int:
         for i, overrides in enumerate(grid):
             rec = run_point(i, overrides, a, Path(work))
             results.append(rec)
-            print(f"{rec['tau']:.3f}  {rec['steps']:>5} steps  {rec['train_s']:>6.0f} s  "
-                  f"acc {' '.join(f'{x:.2f}' for x in rec['per_position_acceptance'])}  {overrides}", flush=True)
-            a.out.with_suffix(".json").write_text(json.dumps({"budget_s": a.budget_s, "results": results}, indent=1))
+            print(
+                f"{rec['tau']:.3f}  {rec['steps']:>5} steps  {rec['train_s']:>6.0f} s  "
+                f"acc {' '.join(f'{x:.2f}' for x in rec['per_position_acceptance'])}  {overrides}",
+                flush=True,
+            )
+            a.out.with_suffix(".json").write_text(
+                json.dumps({"budget_s": a.budget_s, "results": results}, indent=1)
+            )
     plot(results, a.out.with_suffix(".png"))
     print(f"wrote {a.out.with_suffix('.json')} and {a.out.with_suffix('.png')}")
     return 0

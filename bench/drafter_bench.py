@@ -1,7 +1,8 @@
 """Drafter training cost: forward+backward throughput, where the time goes, and the attention paths.
 
     python bench/drafter_bench.py [--hidden 256] [--vocab 8192] [--layers 2] [--seqs 4] [--seq-len 256]
-                                  [--anchors 32] [--block 16] [--loss-chunk 1024] [--runs 5] [--threads N] [--json]
+                                  [--anchors 32] [--block 16] [--loss-chunk 1024] [--runs 5] [--threads N]
+                                  [--json]
     python bench/drafter_bench.py --attention [--device cpu|cuda] [--runs 3] [--json]
 
 One microbatch of packed sequences with random target features (K=3 taps) and a
@@ -22,7 +23,8 @@ last stdout line is one JSON object. Ratios are taken within a run; other
 processes on the CPUs add noise to absolute numbers.
 
 ``--attention`` (speedups are today's time over the path's; on a shared CPU the process CPU
-times are the steadier figure, and both are printed) compares the ways ``forward_train`` evaluates the DFlash mask on recipe-like
+times are the steadier figure, and both are printed) compares the ways ``forward_train`` evaluates the DFlash
+mask on recipe-like
 shapes (one sequence, one anchor per 6 tokens, block 16; GQA 4:1), in one run:
 
   today        the dense path as it was: chunks of about Lmax/B anchors, each against the whole
@@ -44,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -58,7 +59,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_staged.model import block_attention  # noqa: E402
 from dflash_staged.model.block_attention import SdpaBlocks  # noqa: E402
 from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig  # noqa: E402
-from dflash_staged.train.objective import block_labels, decay_weights, dflash_loss, head_loss, sample_anchors  # noqa: E402
+from dflash_staged.train.objective import (  # noqa: E402
+    block_labels,
+    decay_weights,
+    dflash_loss,
+    head_loss,
+    sample_anchors,
+)
 
 K = 3
 
@@ -66,18 +73,34 @@ K = 3
 def build(a, heads=None, kv=None, head_dim=64, inter=None, taps=K, device="cpu"):
     g = torch.Generator().manual_seed(0)
     heads = heads or max(1, a.hidden // 64)
-    dcfg = DraftModelConfig(hidden_size=a.hidden, intermediate_size=inter or 3 * a.hidden, num_hidden_layers=a.layers,
-                            num_attention_heads=heads, num_key_value_heads=kv or max(1, heads // 2), head_dim=head_dim,
-                            vocab_size=a.vocab, block_size=a.block, num_target_layers=36,
-                            target_layer_ids=[1, 9, 17, 25, 33][:taps], mask_token_id=a.vocab - 1, dtype="float32")
+    dcfg = DraftModelConfig(
+        hidden_size=a.hidden,
+        intermediate_size=inter or 3 * a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv or max(1, heads // 2),
+        head_dim=head_dim,
+        vocab_size=a.vocab,
+        block_size=a.block,
+        num_target_layers=36,
+        target_layer_ids=[1, 9, 17, 25, 33][:taps],
+        mask_token_id=a.vocab - 1,
+        dtype="float32",
+    )
     torch.manual_seed(0)
     dt = torch.bfloat16 if device == "cuda" else torch.float32
-    m = DFlashDrafter(dcfg, torch.randn(a.vocab, a.hidden, generator=g).to(dt),
-                      (torch.randn(a.vocab, a.hidden, generator=g) / a.hidden ** 0.5).to(dt)).to(device)
+    m = DFlashDrafter(
+        dcfg,
+        torch.randn(a.vocab, a.hidden, generator=g).to(dt),
+        (torch.randn(a.vocab, a.hidden, generator=g) / a.hidden**0.5).to(dt),
+    ).to(device)
     T = a.seqs * a.seq_len
-    batch = {"hidden": torch.randn(T, taps, a.hidden, generator=g).to(device, dt),
-             "input_ids": torch.randint(0, a.vocab - 1, (T,), generator=g).to(device),
-             "loss_mask": torch.ones(T, device=device), "cu_seqlens": (torch.arange(a.seqs + 1) * a.seq_len).to(device)}
+    batch = {
+        "hidden": torch.randn(T, taps, a.hidden, generator=g).to(device, dt),
+        "input_ids": torch.randint(0, a.vocab - 1, (T,), generator=g).to(device),
+        "loss_mask": torch.ones(T, device=device),
+        "cu_seqlens": (torch.arange(a.seqs + 1) * a.seq_len).to(device),
+    }
     return m, batch
 
 
@@ -88,10 +111,14 @@ def timed(fn) -> float:
 
 
 # -- --attention: the ways forward_train evaluates the mask ------------------------------------------
-SHAPES = {"cpu": dict(hidden=256, vocab=8192, layers=2, seqs=1, seq_len=768, anchors=128, block=16),
-          "cuda": dict(hidden=4096, vocab=151936, layers=5, seqs=1, seq_len=3072, anchors=512, block=16)}
-GEOMETRY = {"cpu": dict(heads=8, kv=2, head_dim=32, inter=768, taps=3),
-            "cuda": dict(heads=32, kv=8, head_dim=128, inter=12288, taps=5)}  # Qwen3-8B
+SHAPES = {
+    "cpu": dict(hidden=256, vocab=8192, layers=2, seqs=1, seq_len=768, anchors=128, block=16),
+    "cuda": dict(hidden=4096, vocab=151936, layers=5, seqs=1, seq_len=3072, anchors=512, block=16),
+}
+GEOMETRY = {
+    "cpu": dict(heads=8, kv=2, head_dim=32, inter=768, taps=3),
+    "cuda": dict(heads=32, kv=8, head_dim=128, inter=12288, taps=5),
+}  # Qwen3-8B
 VARIANTS = ("today", "dense_cut", "flex")
 
 
@@ -126,31 +153,46 @@ def attention_of(name: str, m, made: list):
     def build(pk, windows):
         if name == "flex":
             from dflash_staged.model.flex_blocks import FlexBlocks
+
             blocks = FlexBlocks(pk, windows)
         else:
             blocks = SdpaBlocks(pk, m.dcfg.num_attention_heads, windows, cut_keys=name != "today")
         made.append(blocks)
         return blocks
+
     return build
 
 
 def attention_case(a):
     """(drafter, batch, forward, step) for the --attention shapes on a.device."""
     m, batch = build(a, **GEOMETRY[a.device], device=a.device)
-    anchors = sample_anchors(batch["loss_mask"], batch["cu_seqlens"], a.block, a.anchors,
-                             torch.Generator().manual_seed(0))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if a.device == "cuda" else contextlib.nullcontext()
+    anchors = sample_anchors(
+        batch["loss_mask"], batch["cu_seqlens"], a.block, a.anchors, torch.Generator().manual_seed(0)
+    )
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if a.device == "cuda" else contextlib.nullcontext()
+    )
 
     def forward(name, made):
         with torch.no_grad(), autocast, variant(name):
-            m.forward_train(batch["hidden"], batch["input_ids"], batch["cu_seqlens"], anchors, attention_of(name, m, made))
+            m.forward_train(
+                batch["hidden"], batch["input_ids"], batch["cu_seqlens"], anchors, attention_of(name, m, made)
+            )
 
     def step(name, made):
         m.zero_grad(set_to_none=True)
         with autocast, variant(name):
-            loss, _ = dflash_loss(m, batch, a.anchors, 7.0, torch.Generator(a.device).manual_seed(0),
-                                  loss_chunk=a.loss_chunk, attention=attention_of(name, m, made))
+            loss, _ = dflash_loss(
+                m,
+                batch,
+                a.anchors,
+                7.0,
+                torch.Generator(a.device).manual_seed(0),
+                loss_chunk=a.loss_chunk,
+                attention=attention_of(name, m, made),
+            )
         loss.backward()
+
     return m, anchors, forward, step
 
 
@@ -205,12 +247,19 @@ def attention_main(a) -> None:
         windows = [layer.self_attn.window for layer in m.layers]
         needed = sum(pk.needed_pairs(w) for w in windows)
         computed = made[0].computed if name != "flex" else sum(made[0].computed_pairs(w) for w in windows)
-        res[name] = {"first_call_s": first, "attn_gflop_computed": computed * pair_flops / 1e9,
-                     "attn_gflop_needed": needed * pair_flops / 1e9, "needed_share": needed / computed,
-                     "fwd_s": [], "step_s": [], "fwd_cpu_s": [], "step_cpu_s": []}
+        res[name] = {
+            "first_call_s": first,
+            "attn_gflop_computed": computed * pair_flops / 1e9,
+            "attn_gflop_needed": needed * pair_flops / 1e9,
+            "needed_share": needed / computed,
+            "fwd_s": [],
+            "step_s": [],
+            "fwd_cpu_s": [],
+            "step_cpu_s": [],
+        }
     trainable = [n for n in VARIANTS if not (n == "flex" and a.device == "cpu")]
     for r in range(a.runs):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
         for name in order:
             for key, fn in (("fwd", forward), ("step", step)):
                 if key == "step" and name not in trainable:
@@ -238,19 +287,31 @@ def attention_main(a) -> None:
         v = res[name]
         v["fwd_speedup_vs_today"] = base["fwd_s"] / v["fwd_s"]
         v["step_speedup_vs_today"] = base["step_s"] / v["step_s"] if v["step_s"] else None
-        v["step_cpu_time_ratio_today_over_this"] = base["step_cpu_s"] / v["step_cpu_s"] if v["step_cpu_s"] else None
+        v["step_cpu_time_ratio_today_over_this"] = (
+            base["step_cpu_s"] / v["step_cpu_s"] if v["step_cpu_s"] else None
+        )
         v["peak_vs_today"] = v["peak_mib"] / base["peak_mib"] if base["peak_mib"] > 0 else None
-    cfg = {k: getattr(a, k) for k in SHAPES[a.device]} | g | {"device": a.device, "threads": torch.get_num_threads(),
-                                                             "anchors_drawn": int(anchors.numel())}
+    cfg = (
+        {k: getattr(a, k) for k in SHAPES[a.device]}
+        | g
+        | {"device": a.device, "threads": torch.get_num_threads(), "anchors_drawn": int(anchors.numel())}
+    )
     print(f"attention paths, {cfg}")
     for name in VARIANTS:
         v = res[name]
-        step_txt = (f"step {v['step_s']:.3f} s ({v['train_tokens_per_s']:.0f} tok/s, {v['step_speedup_vs_today']:.2f}x; "
-                    f"process CPU time {v['step_cpu_s']:.3f} s, {v['step_cpu_time_ratio_today_over_this']:.2f}x)"
-                    if v["step_s"] else "step n/a (no flex backward on CPU)")
-        print(f"  {name:9s} attn {v['attn_gflop_computed']:8.2f} GFLOP computed, {100 * v['needed_share']:5.1f}% needed | "
-              f"fwd {v['fwd_s']:.3f} s ({v['fwd_speedup_vs_today']:.2f}x) | {step_txt} | peak {v['peak_mib']:.0f} MiB"
-              + (" (forward only)" if name == "flex" and a.device == "cpu" else ""))
+        step_txt = (
+            f"step {v['step_s']:.3f} s ({v['train_tokens_per_s']:.0f} tok/s, "
+            f"{v['step_speedup_vs_today']:.2f}x; "
+            f"process CPU time {v['step_cpu_s']:.3f} s, {v['step_cpu_time_ratio_today_over_this']:.2f}x)"
+            if v["step_s"]
+            else "step n/a (no flex backward on CPU)"
+        )
+        print(
+            f"  {name:9s} attn {v['attn_gflop_computed']:8.2f} GFLOP computed, "
+            f"{100 * v['needed_share']:5.1f}% needed | "
+            f"fwd {v['fwd_s']:.3f} s ({v['fwd_speedup_vs_today']:.2f}x) | {step_txt} | peak "
+            f"{v['peak_mib']:.0f} MiB" + (" (forward only)" if name == "flex" and a.device == "cpu" else "")
+        )
     if a.json:
         print(json.dumps({"config": cfg, "paths": res}))
 
@@ -282,7 +343,9 @@ def main() -> None:
             setattr(a, k, v)
     m, batch = build(a)
     B, T = a.block, a.seqs * a.seq_len
-    anchors = sample_anchors(batch["loss_mask"], batch["cu_seqlens"], B, a.anchors, torch.Generator().manual_seed(0))
+    anchors = sample_anchors(
+        batch["loss_mask"], batch["cu_seqlens"], B, a.anchors, torch.Generator().manual_seed(0)
+    )
     A = anchors.numel()
     labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], batch["cu_seqlens"], anchors, B)
     w = (decay_weights(B, 7.0)[None] * valid).reshape(-1)
@@ -294,7 +357,9 @@ def main() -> None:
 
     def step():
         m.zero_grad(set_to_none=True)
-        loss, _ = dflash_loss(m, batch, a.anchors, 7.0, torch.Generator().manual_seed(0), loss_chunk=a.loss_chunk)
+        loss, _ = dflash_loss(
+            m, batch, a.anchors, 7.0, torch.Generator().manual_seed(0), loss_chunk=a.loss_chunk
+        )
         loss.backward()
 
     def head():
@@ -319,14 +384,19 @@ def main() -> None:
                 s = int(cu[torch.searchsorted(cu, t, right=True) - 1])
                 m.draft_block(batch["hidden"][s:t], batch["input_ids"][t])
 
-    fns = {"step": step, "head": head, "head_naive": head_naive, "many_anchor": many_anchor,
-           "one_by_one": one_by_one}
+    fns = {
+        "step": step,
+        "head": head,
+        "head_naive": head_naive,
+        "many_anchor": many_anchor,
+        "one_by_one": one_by_one,
+    }
     for fn in fns.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     ratios: dict[str, list[float]] = {"head_share": [], "head_vs_naive": [], "one_by_one_vs_many": []}
     for r in range(a.runs):
-        names = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]  # rotate the order
+        names = list(fns)[r % len(fns) :] + list(fns)[: r % len(fns)]  # rotate the order
         t = {k: timed(fns[k]) for k in names}
         for k, v in t.items():
             times[k].append(v)
@@ -336,8 +406,17 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = A * (B - 1)
     result = {
-        "config": {"hidden": a.hidden, "vocab": a.vocab, "layers": a.layers, "block": B, "context_tokens": T,
-                   "anchors": A, "head_rows": rows, "loss_chunk": a.loss_chunk, "threads": torch.get_num_threads()},
+        "config": {
+            "hidden": a.hidden,
+            "vocab": a.vocab,
+            "layers": a.layers,
+            "block": B,
+            "context_tokens": T,
+            "anchors": A,
+            "head_rows": rows,
+            "loss_chunk": a.loss_chunk,
+            "threads": torch.get_num_threads(),
+        },
         "step_s": med["step"],
         "context_tokens_per_s": T / med["step"],
         "block_positions_per_s": A * B / med["step"],
@@ -348,12 +427,17 @@ def main() -> None:
         "one_by_one_vs_many_anchor_time": statistics.median(ratios["one_by_one_vs_many"]),
         "median_s": med,
     }
-    print(f"drafter fwd+bwd: {result['context_tokens_per_s']:.0f} context tok/s, "
-          f"{result['block_positions_per_s']:.0f} block positions/s ({T} tokens, {A} anchors, B={B}, "
-          f"H={a.hidden}, V={a.vocab}, {a.layers} layers, {torch.get_num_threads()} threads)")
-    print(f"LM head + loss: {100 * result['head_share_of_step']:.0f}% of the step; chunked/naive time "
-          f"{result['head_chunked_vs_naive_time']:.2f}, logits kept {result['logits_mib_kept_chunked']:.0f} MiB "
-          f"vs {result['logits_mib_kept_naive']:.0f} MiB")
+    print(
+        f"drafter fwd+bwd: {result['context_tokens_per_s']:.0f} context tok/s, "
+        f"{result['block_positions_per_s']:.0f} block positions/s ({T} tokens, {A} anchors, B={B}, "
+        f"H={a.hidden}, V={a.vocab}, {a.layers} layers, {torch.get_num_threads()} threads)"
+    )
+    print(
+        f"LM head + loss: {100 * result['head_share_of_step']:.0f}% of the step; chunked/naive time "
+        f"{result['head_chunked_vs_naive_time']:.2f}, logits kept {result['logits_mib_kept_chunked']:.0f} "
+        f"MiB "
+        f"vs {result['logits_mib_kept_naive']:.0f} MiB"
+    )
     print(f"many-anchor pass vs one block at a time: {result['one_by_one_vs_many_anchor_time']:.1f}x faster")
     if a.json:
         print(json.dumps(result))

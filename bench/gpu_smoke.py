@@ -21,7 +21,8 @@ Steps (each reports ``ok`` and its numbers; a failing step does not stop the oth
 
 The last line printed is one JSON object: ``{"ok": ..., "device": ..., "steps": {name: {...}}}``;
 it is also written to ``OUT/gpu_smoke.json``. Exit code 0 when every step is ok.
-Usage: ``python bench/gpu_smoke.py [--out DIR] [--skip-tests] [--only STEP,...]``. ``--device cpu`` runs the same steps
+Usage: ``python bench/gpu_smoke.py [--out DIR] [--skip-tests] [--only STEP,...]``. ``--device cpu`` runs the
+same steps
 on the CPU with a smaller model (a check of this script itself on a machine without a GPU).
 """
 
@@ -42,13 +43,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-NEEDED = ("torch", "transformers", "safetensors", "zarr", "numcodecs", "xxhash", "numpy", "click", "tqdm",
-          "tokenizers", "pytest")
+NEEDED = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "zarr",
+    "numcodecs",
+    "xxhash",
+    "numpy",
+    "click",
+    "tqdm",
+    "tokenizers",
+    "pytest",
+)
 
 
 def env() -> dict:
     e = dict(os.environ)
-    e.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    e.update(
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"
+    )
     e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
     return e
 
@@ -57,16 +71,19 @@ def sh(cmd: list, timeout: float, log: Path) -> tuple[int, str]:
     """Run cmd (output to `log` and returned); rc 124 on timeout."""
     t0 = time.time()
     try:
-        r = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True,
-                           timeout=timeout)
+        r = subprocess.run(
+            [str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
+        )
         rc, text = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc = 124
         text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         text += f"\n[gpu_smoke] timed out after {timeout:.0f} s"
     log.write_text(f"$ {' '.join(map(str, cmd))}\n[{time.time() - t0:.1f} s, rc {rc}]\n{text}")
-    print(f"[gpu_smoke] {' '.join(map(str, cmd[1:5]))} ... -> rc {rc} ({time.time() - t0:.0f} s; log {log})",
-          flush=True)
+    print(
+        f"[gpu_smoke] {' '.join(map(str, cmd[1:5]))} ... -> rc {rc} ({time.time() - t0:.0f} s; log {log})",
+        flush=True,
+    )
     return rc, text
 
 
@@ -74,7 +91,8 @@ def tail(text: str, n: int = 600) -> str:
     return text[-n:]
 
 
-# ---------------------------------------------------------------------------------------------- data / configs
+# ---------------------------------------------------------------------------------------------- data /
+# configs
 TINY_GPU_CONFIG = """
 [target]
 model = "{model}"
@@ -111,6 +129,7 @@ lease_s = 120
 
 def write_data(path: Path, n: int, seed: int = 0) -> Path:
     import numpy as np
+
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
         for _ in range(n):
@@ -126,8 +145,22 @@ def plan(work: Path, model: str, n: int) -> Path:
     cfg = work / "config.toml"
     cfg.write_text(TINY_GPU_CONFIG.format(model=model))
     data = write_data(work / "data.jsonl", n)
-    rc, text = sh([sys.executable, "-m", "dflash_staged", "plan", "--config", cfg, "--data", data, "--manifest",
-                   work / "manifest"], 180, work / "plan.log")
+    rc, text = sh(
+        [
+            sys.executable,
+            "-m",
+            "dflash_staged",
+            "plan",
+            "--config",
+            cfg,
+            "--data",
+            data,
+            "--manifest",
+            work / "manifest",
+        ],
+        180,
+        work / "plan.log",
+    )
     if rc != 0:
         raise RuntimeError(f"plan failed: {tail(text)}")
     return cfg
@@ -136,16 +169,33 @@ def plan(work: Path, model: str, n: int) -> Path:
 # ---------------------------------------------------------------------------------------------- steps
 def step_cuda_tests(out: Path) -> dict:
     xml = out / "cuda_tests.xml"
-    rc, text = sh([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                   f"--junitxml={xml}", "tests"], 300, out / "cuda_tests.log")
+    rc, text = sh(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "cuda",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+            "tests",
+        ],
+        300,
+        out / "cuda_tests.log",
+    )
     res = {"rc": rc}
     if xml.is_file():
         suites = ET.parse(xml).getroot()
         suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
         for k in ("tests", "failures", "errors", "skipped"):
             res[k] = int(suite.get(k, 0))
-        res["failed_names"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
-                               if c.find("failure") is not None or c.find("error") is not None][:20]
+        res["failed_names"] = [
+            f"{c.get('classname')}::{c.get('name')}"
+            for c in suite.iter("testcase")
+            if c.find("failure") is not None or c.find("error") is not None
+        ][:20]
     res["ok"] = rc in (0, 5)  # 5: no CUDA-marked tests collected
     if rc not in (0, 5):
         res["tail"] = tail(text)
@@ -155,8 +205,11 @@ def step_cuda_tests(out: Path) -> dict:
 def step_hybrid_extract(out: Path, dev: str) -> dict:
     from dflash_staged.model.preflight import KernelPreflightError, preflight_kernels
     from dflash_staged.model.tiny import tiny_config
-    res = {"fla_installed": importlib.util.find_spec("fla") is not None,
-           "causal_conv1d_installed": importlib.util.find_spec("causal_conv1d") is not None}
+
+    res = {
+        "fla_installed": importlib.util.find_spec("fla") is not None,
+        "causal_conv1d_installed": importlib.util.find_spec("causal_conv1d") is not None,
+    }
     try:
         preflight_kernels(tiny_config("qwen3_5"), dev, allow_slow=False)
         res["preflight"] = "passed"
@@ -164,12 +217,25 @@ def step_hybrid_extract(out: Path, dev: str) -> dict:
         res["preflight"], res["preflight_message"] = "refused", str(e)[:400]
     work = out / "hybrid"
     plan(work, "tiny:qwen3_5", 24)
-    cmd = [sys.executable, "-m", "dflash_staged", "extract", "--manifest", work / "manifest", "--store",
-           work / "store", "--devices", dev, "--window", "64"]  # no trainer here: room for every shard
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_staged",
+        "extract",
+        "--manifest",
+        work / "manifest",
+        "--store",
+        work / "store",
+        "--devices",
+        dev,
+        "--window",
+        "64",
+    ]  # no trainer here: room for every shard
     rc, text = sh(cmd, 300, work / "extract.log")
     res["extract_rc"] = rc
     if res["preflight"] == "passed":
         from dflash_staged.store import ShardStore
+
         st = ShardStore.open(work / "store")
         res["store_dtype"] = st.meta.logical_dtype
         res["shards"] = sum(1 for _ in st.iter_shards())
@@ -188,13 +254,23 @@ def step_hybrid_extract(out: Path, dev: str) -> dict:
 def step_throughput(out: Path, dev: str, repeats: int = 10) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
+
     from dflash_staged.config import dflash_target_layers
     from dflash_staged.model.target import Target, pack_unpadded
+
     gpu = dev.startswith("cuda")
     H, layers, B, L = (2048, 24, 8, 2048) if gpu else (256, 8, 2, 256)
-    cfg = Qwen3Config(vocab_size=32768, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers,
-                      num_attention_heads=H // 128, num_key_value_heads=max(1, H // 256), head_dim=128,
-                      max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=32768,
+        hidden_size=H,
+        intermediate_size=3 * H,
+        num_hidden_layers=layers,
+        num_attention_heads=H // 128,
+        num_key_value_heads=max(1, H // 256),
+        head_dim=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     dev = torch.device(dev)
@@ -239,14 +315,20 @@ def step_throughput(out: Path, dev: str, repeats: int = 10) -> dict:
             times[k].append(timed(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
     tok = B * L
-    res = {"model": f"qwen3 dense {layers} layers, hidden {H}, {str(dtype)[6:]}", "batch": f"{B}x{L}",
-           "layer_ids": layer_ids,
-           "capture_tok_s": round(tok / med["capture"]), "capture_d2h_tok_s": round(tok / med["capture_d2h"]),
-           "full_forward_tok_s": round(tok / med["full"]), "ratio": round(med["full"] / med["capture"], 3),
-           "ratio_with_d2h": round(med["full"] / med["capture_d2h"], 3), "repeats": repeats,
-           "peak_mem_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if gpu else None}
+    res = {
+        "model": f"qwen3 dense {layers} layers, hidden {H}, {str(dtype)[6:]}",
+        "batch": f"{B}x{L}",
+        "layer_ids": layer_ids,
+        "capture_tok_s": round(tok / med["capture"]),
+        "capture_d2h_tok_s": round(tok / med["capture_d2h"]),
+        "full_forward_tok_s": round(tok / med["full"]),
+        "ratio": round(med["full"] / med["capture"], 3),
+        "ratio_with_d2h": round(med["full"] / med["capture_d2h"], 3),
+        "repeats": repeats,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if gpu else None,
+    }
     res["ok"] = res["ratio"] >= 0.9
-    del model, target
+    model = target = None  # free the weights (the closures above hold them)
     if gpu:
         torch.cuda.empty_cache()
     return res
@@ -259,16 +341,55 @@ def step_train_e2e(out: Path, dev: str) -> dict:
     cfg.write_text(TINY_GPU_CONFIG.format(model="tiny:qwen3"))
     data = write_data(work / "data.jsonl", 96, seed=1)
     summary = work / "summary.json"
-    rc, text = sh([sys.executable, "-m", "dflash_staged", "pipeline", "--config", cfg, "--data", data,
-                   "--workdir", work / "w", "--devices", dev, "--summary-json", summary, "--status-every", "5",
-                   "--", "--device", dev.split(":")[0]], 360, work / "launch.log")
+    rc, text = sh(
+        [
+            sys.executable,
+            "-m",
+            "dflash_staged",
+            "pipeline",
+            "--config",
+            cfg,
+            "--data",
+            data,
+            "--workdir",
+            work / "w",
+            "--devices",
+            dev,
+            "--summary-json",
+            summary,
+            "--status-every",
+            "5",
+            "--",
+            "--device",
+            dev.split(":")[0],
+        ],
+        360,
+        work / "launch.log",
+    )
     res = {"rc": rc}
     if summary.is_file():
         s = json.loads(summary.read_text())
-        res.update({k: s.get(k) for k in ("steps", "loss_first", "loss_last", "total_jobs", "tokens_trained",
-                                           "peak_store_bytes", "extract_s", "train_s", "total_s")})
-    ckpts = sorted(p.name for p in (work / "w" / "run").glob("*") if p.is_dir()) if (work / "w" / "run").is_dir() \
+        res.update(
+            {
+                k: s.get(k)
+                for k in (
+                    "steps",
+                    "loss_first",
+                    "loss_last",
+                    "total_jobs",
+                    "tokens_trained",
+                    "peak_store_bytes",
+                    "extract_s",
+                    "train_s",
+                    "total_s",
+                )
+            }
+        )
+    ckpts = (
+        sorted(p.name for p in (work / "w" / "run").glob("*") if p.is_dir())
+        if (work / "w" / "run").is_dir()
         else []
+    )
     res["run_dir_entries"] = ckpts[:6]
     loss = res.get("loss_last")
     res["ok"] = rc == 0 and (res.get("steps") or 0) >= 1 and loss is not None and math.isfinite(loss)
@@ -295,19 +416,36 @@ def _spawned_children(pid: int) -> list[int]:
 
 def step_tp_extract(out: Path, dev: str) -> dict:
     import signal
+
     import torch
+
     gpu = dev.startswith("cuda")
     if gpu and torch.cuda.device_count() < 2:
         return {"ok": True, "skipped": f"needs 2 GPUs; this machine shows {torch.cuda.device_count()}"}
     from dflash_staged.manifest import Manifest
     from dflash_staged.model.target import load_target, pack_unpadded, pad_batch
     from dflash_staged.store import ShardStore
+
     devices = "cuda:0,cuda:1" if gpu else "cpu,cpu"
     work = out / "tp"
     plan(work, "tiny:qwen3_moe", 48)
     log = work / "extract.log"
-    cmd = [sys.executable, "-m", "dflash_staged", "extract", "--manifest", work / "manifest", "--store",
-           work / "store", "--devices", devices, "--tp", "2", "--window", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_staged",
+        "extract",
+        "--manifest",
+        work / "manifest",
+        "--store",
+        work / "store",
+        "--devices",
+        devices,
+        "--tp",
+        "2",
+        "--window",
+        "64",
+    ]
     res: dict = {"devices": devices}
     with open(log, "w") as f:
         p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT)
@@ -335,13 +473,20 @@ def step_tp_extract(out: Path, dev: str) -> dict:
             store, worst = ShardStore.open(work / "store"), 0.0
             for j in jobs:
                 shard = store.read_shard(j.epoch, j.id, j.checksum)
-                ids, attn, lengths = pad_batch([torch.from_numpy(m.sample(s)[0].astype("int64")) for s in j.sample_ids])
+                ids, attn, lengths = pad_batch(
+                    [torch.from_numpy(m.sample(s)[0].astype("int64")) for s in j.sample_ids]
+                )
                 ref = pack_unpadded(target.capture(ids, attn), lengths).float().cpu()
                 worst = max(worst, (shard.hidden.float() - ref).abs().max().item())
             res["max_abs_diff_vs_tp1"], res["store_dtype"] = worst, store.meta.logical_dtype
     tol = 0.25 if gpu else 1e-5
-    res["ok"] = (res["rc"] == 0 and res["written"] == res["jobs"] > 0 and "killed_follower" in res
-                 and res["restarted"] and res.get("max_abs_diff_vs_tp1", 1e9) <= tol)
+    res["ok"] = (
+        res["rc"] == 0
+        and res["written"] == res["jobs"] > 0
+        and "killed_follower" in res
+        and res["restarted"]
+        and res.get("max_abs_diff_vs_tp1", 1e9) <= tol
+    )
     if not res["ok"]:
         res["tail"] = tail(text, 1500)
     return res
@@ -360,11 +505,14 @@ def main() -> int:
     summary: dict = {"ok": False, "out": str(out), "steps": {}}
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if missing:
-        summary["error"] = (f"missing Python packages: {', '.join(missing)}; install them (docs/gpu.md: offline "
-                            "wheels) or run without DFLASH_USE_SYSTEM_TORCH=1")
+        summary["error"] = (
+            f"missing Python packages: {', '.join(missing)}; install them (docs/gpu.md: offline "
+            "wheels) or run without DFLASH_USE_SYSTEM_TORCH=1"
+        )
         print(json.dumps(summary))
         return 2
     import torch
+
     summary.update(torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0])
     gpu = args.device.startswith("cuda")
     if gpu and not torch.cuda.is_available():
@@ -373,11 +521,16 @@ def main() -> int:
         return 2
     summary["device"] = torch.cuda.get_device_name(torch.device(args.device)) if gpu else "cpu"
     import transformers
+
     summary["transformers"] = transformers.__version__
     t_all = time.time()
-    steps = [("cuda_tests", step_cuda_tests), ("hybrid_extract", step_hybrid_extract),
-             ("extract_throughput", step_throughput), ("train_e2e", step_train_e2e),
-             ("tp_extract", step_tp_extract)]
+    steps = [
+        ("cuda_tests", step_cuda_tests),
+        ("hybrid_extract", step_hybrid_extract),
+        ("extract_throughput", step_throughput),
+        ("train_e2e", step_train_e2e),
+        ("tp_extract", step_tp_extract),
+    ]
     for name, fn in steps:
         if (name == "cuda_tests" and args.skip_tests) or (args.only and name not in args.only.split(",")):
             continue
@@ -386,7 +539,11 @@ def main() -> int:
         try:
             res = fn(out) if name == "cuda_tests" else fn(out, args.device)
         except Exception as e:  # noqa: BLE001 - report and go on with the next step
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "tail": tail(traceback.format_exc(), 1500)}
+            res = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "tail": tail(traceback.format_exc(), 1500),
+            }
         res["seconds"] = round(time.time() - t, 1)
         summary["steps"][name] = res
         print(f"[gpu_smoke] step {name}: {'ok' if res['ok'] else 'FAILED'} ({res['seconds']} s)", flush=True)

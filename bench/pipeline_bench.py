@@ -39,30 +39,54 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_staged.train.buffer import ShardBuffer, bound_host_memory  # noqa: E402
 from dflash_staged.config import Config  # noqa: E402
 from dflash_staged.manifest import Manifest  # noqa: E402
-from dflash_staged.train.sources import LiveSource  # noqa: E402
 from dflash_staged.store import ShardStore, StoreMeta  # noqa: E402
+from dflash_staged.train.buffer import ShardBuffer, bound_host_memory  # noqa: E402
+from dflash_staged.train.sources import LiveSource  # noqa: E402
 
 
 def make_manifest(root: Path, jobs: int, tokens_per_job: int, samples_per_job: int = 4) -> Manifest:
     n = jobs * samples_per_job
     per = tokens_per_job // samples_per_job
     offsets = np.arange(n + 1, dtype=np.int64) * per
-    samples = SimpleNamespace(tokens=(np.arange(offsets[-1]) % 2000 + 4).astype(np.int32),
-                              loss_mask=np.ones(offsets[-1], np.uint8), offsets=offsets, stats={"samples": n})
+    samples = SimpleNamespace(
+        tokens=(np.arange(offsets[-1]) % 2000 + 4).astype(np.int32),
+        loss_mask=np.ones(offsets[-1], np.uint8),
+        offsets=offsets,
+        stats={"samples": n},
+    )
     batches = [(b % 4, list(range(b * samples_per_job, (b + 1) * samples_per_job))) for b in range(jobs)]
 
     def job_iter():
         for pos, (bucket, ids) in enumerate(batches):
-            yield SimpleNamespace(epoch=0, pos=pos, bucket=bucket, sample_ids=ids, real_tokens=per * len(ids),
-                                  padded_tokens=per * len(ids))
+            yield SimpleNamespace(
+                epoch=0,
+                pos=pos,
+                bucket=bucket,
+                sample_ids=ids,
+                real_tokens=per * len(ids),
+                padded_tokens=per * len(ids),
+            )
 
-    plan = SimpleNamespace(edges=[1, 2, 3, 4], epochs=1, seed=0, batches=batches, jobs=job_iter, padding_waste=0.0,
-                           tokens_real=n * per, tokens_padded=n * per)
-    return Manifest.create(root / "manifest", config=Config(), samples=samples, plan=plan, data_path="synthetic",
-                           data_hash=f"synthetic-{jobs}")
+    plan = SimpleNamespace(
+        edges=[1, 2, 3, 4],
+        epochs=1,
+        seed=0,
+        batches=batches,
+        jobs=job_iter,
+        padding_waste=0.0,
+        tokens_real=n * per,
+        tokens_padded=n * per,
+    )
+    return Manifest.create(
+        root / "manifest",
+        config=Config(),
+        samples=samples,
+        plan=plan,
+        data_path="synthetic",
+        data_hash=f"synthetic-{jobs}",
+    )
 
 
 def synthetic_hidden(tokens: int, K: int, H: int) -> torch.Tensor:
@@ -87,11 +111,20 @@ def producer_proc(mdir: str, sdir: str, rate: float, window: int, K: int, H: int
         hidden = cache.setdefault(T, synthetic_hidden(T, K, H))
         ids = torch.arange(T, dtype=torch.int32)
         cu = torch.tensor([0, T], dtype=torch.int64)
-        staged = store.stage_shard(0, r.job.id, hidden, ids, torch.ones(T, dtype=torch.uint8), cu,
-                                   torch.tensor([r.job.id], dtype=torch.int64))
+        staged = store.stage_shard(
+            0,
+            r.job.id,
+            hidden,
+            ids,
+            torch.ones(T, dtype=torch.uint8),
+            cu,
+            torch.tensor([r.job.id], dtype=torch.int64),
+        )
         # pace: the target needs T / rate seconds per job; the write overlaps that compute time
         time.sleep(max(0.0, T / rate - (time.perf_counter() - t0)))
-        if not m.publish(r.job, staged.info.nbytes, staged.info.checksum, commit=lambda: store.commit_staged(staged)):
+        if not m.publish(
+            r.job, staged.info.nbytes, staged.info.checksum, commit=lambda s=staged: store.commit_staged(s)
+        ):
             store.discard_staged(staged)
 
 
@@ -126,15 +159,24 @@ def run_staged(jobs: int, a) -> dict:
     root = Path(tempfile.mkdtemp(prefix="dflash-pbench-", dir=a.dir))
     try:
         m = make_manifest(root, jobs, a.tokens_per_job)
-        meta = StoreMeta(manifest_id=m.manifest_id, target_id="synthetic", layer_ids=list(range(a.K)),
-                         hidden_size=a.H, logical_dtype="bfloat16")
+        meta = StoreMeta(
+            manifest_id=m.manifest_id,
+            target_id="synthetic",
+            layer_ids=list(range(a.K)),
+            hidden_size=a.H,
+            logical_dtype="bfloat16",
+        )
         store = ShardStore.create_or_open(root / "store", meta)
         sampler = RssSampler(root / "store")
         sampler.start()
         ctx = mp.get_context("spawn")
-        t0 = time.perf_counter()
-        procs = [ctx.Process(target=producer_proc, args=(str(m.dir), str(store.root), a.producer_tok_s / a.producers,
-                                                         a.window, a.K, a.H, i)) for i in range(a.producers)]
+        procs = [
+            ctx.Process(
+                target=producer_proc,
+                args=(str(m.dir), str(store.root), a.producer_tok_s / a.producers, a.window, a.K, a.H, i),
+            )
+            for i in range(a.producers)
+        ]
         for p in procs:
             p.start()
         source = LiveSource(m, store, "bench", 0)
@@ -182,8 +224,13 @@ def run_staged(jobs: int, a) -> dict:
         sampler.stop.set()
         buf.close()
         assert m.counts()["released"] == jobs, m.counts()
-        return {"samples_per_s": done_samples / wall, "data_wait_frac": wait / wall, "wall_s": wall,
-                "peak_store_bytes": sampler.peak_disk, "peak_rss_bytes": sampler.peak_rss}
+        return {
+            "samples_per_s": done_samples / wall,
+            "data_wait_frac": wait / wall,
+            "wall_s": wall,
+            "peak_store_bytes": sampler.peak_disk,
+            "peak_rss_bytes": sampler.peak_rss,
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -205,7 +252,9 @@ def run_queue(jobs: int, a) -> dict:
         for j in range(jobs):
             t0 = time.perf_counter()
             T = a.tokens_per_job
-            h = cache.setdefault(T, synthetic_hidden(T, a.K, a.H)).clone()  # a fresh tensor per job, as a target makes
+            h = cache.setdefault(
+                T, synthetic_hidden(T, a.K, a.H)
+            ).clone()  # a fresh tensor per job, as a target makes
             time.sleep(max(0.0, T / a.producer_tok_s - (time.perf_counter() - t0)))
             q.put((j % 4, h))
         q.put(None)
@@ -233,8 +282,12 @@ def run_queue(jobs: int, a) -> dict:
             done += len(picked)
     wall = time.perf_counter() - t_start
     sampler.stop.set()
-    return {"samples_per_s": done / wall, "data_wait_frac": wait / wall, "wall_s": wall,
-            "peak_rss_bytes": sampler.peak_rss}
+    return {
+        "samples_per_s": done / wall,
+        "data_wait_frac": wait / wall,
+        "wall_s": wall,
+        "peak_rss_bytes": sampler.peak_rss,
+    }
 
 
 def main() -> None:
@@ -243,7 +296,9 @@ def main() -> None:
     p.add_argument("--tokens-per-job", type=int, default=2048)
     p.add_argument("--K", type=int, default=5)
     p.add_argument("--H", type=int, default=512)
-    p.add_argument("--producer-tok-s", type=float, default=40_000, help="synthetic target rate (all producers)")
+    p.add_argument(
+        "--producer-tok-s", type=float, default=40_000, help="synthetic target rate (all producers)"
+    )
     p.add_argument("--consumer-tok-s", type=float, default=20_000, help="synthetic trainer rate")
     p.add_argument("--producers", type=int, default=2)
     p.add_argument("--window", type=int, default=16)
@@ -259,26 +314,40 @@ def main() -> None:
     bound_host_memory()  # as dflash train does; applies to both designs
     res: dict = {"settings": {k: v for k, v in vars(a).items() if k != "json"}}
     mb = a.tokens_per_job * a.K * a.H * 2 / 2**20
-    print(f"shard {mb:.1f} MiB; producer {a.producer_tok_s:,.0f} tok/s > consumer {a.consumer_tok_s:,.0f} tok/s")
-    print(f"{'scale':>5} {'design':>7} {'samples/s':>10} {'wait %':>7} {'peak store':>11} {'peak RSS':>9} {'wall s':>7}")
+    print(
+        f"shard {mb:.1f} MiB; producer {a.producer_tok_s:,.0f} tok/s > consumer {a.consumer_tok_s:,.0f} tok/s"
+    )
+    print(
+        f"{'scale':>5} {'design':>7} {'samples/s':>10} {'wait %':>7} {'peak store':>11} {'peak RSS':>9} "
+        f"{'wall s':>7}"
+    )
     for scale in [int(s) for s in a.scales.split(",")]:
         jobs = a.jobs * scale
         for name, fn in (("queue", run_queue), ("staged", run_staged)):
             r = fn(jobs, a)
             res[f"{name}_x{scale}"] = r
-            print(f"{scale:>5} {name:>7} {r['samples_per_s']:>10.2f} {100 * r['data_wait_frac']:>6.2f}% "
-                  f"{r.get('peak_store_bytes', 0) / 2**20:>9.1f}Mi {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
-                  f"{r['wall_s']:>7.2f}")
+            print(
+                f"{scale:>5} {name:>7} {r['samples_per_s']:>10.2f} {100 * r['data_wait_frac']:>6.2f}% "
+                f"{r.get('peak_store_bytes', 0) / 2**20:>9.1f}Mi {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
+                f"{r['wall_s']:>7.2f}"
+            )
     s1 = res["staged_x1"]
-    res["throughput_ratio_vs_queue"] = {f"x{s}": res[f"staged_x{s}"]["samples_per_s"] / res[f"queue_x{s}"]["samples_per_s"]
-                                        for s in [int(x) for x in a.scales.split(",")]}
+    res["throughput_ratio_vs_queue"] = {
+        f"x{s}": res[f"staged_x{s}"]["samples_per_s"] / res[f"queue_x{s}"]["samples_per_s"]
+        for s in [int(x) for x in a.scales.split(",")]
+    }
     last = int(a.scales.split(",")[-1])
     res["staged_disk_growth"] = res[f"staged_x{last}"]["peak_store_bytes"] / max(1, s1["peak_store_bytes"])
     res["staged_rss_growth"] = res[f"staged_x{last}"]["peak_rss_bytes"] / max(1, s1["peak_rss_bytes"])
-    res["queue_rss_growth"] = res[f"queue_x{last}"]["peak_rss_bytes"] / max(1, res["queue_x1"]["peak_rss_bytes"])
-    print(f"staged/queue throughput: {res['throughput_ratio_vs_queue']}; staged data-wait "
-          f"{100 * res[f'staged_x{last}']['data_wait_frac']:.2f}%; growth x{last}: disk {res['staged_disk_growth']:.2f}x, "
-          f"staged RSS {res['staged_rss_growth']:.2f}x, queue RSS {res['queue_rss_growth']:.2f}x")
+    res["queue_rss_growth"] = res[f"queue_x{last}"]["peak_rss_bytes"] / max(
+        1, res["queue_x1"]["peak_rss_bytes"]
+    )
+    print(
+        f"staged/queue throughput: {res['throughput_ratio_vs_queue']}; staged data-wait "
+        f"{100 * res[f'staged_x{last}']['data_wait_frac']:.2f}%; growth x{last}: disk "
+        f"{res['staged_disk_growth']:.2f}x, "
+        f"staged RSS {res['staged_rss_growth']:.2f}x, queue RSS {res['queue_rss_growth']:.2f}x"
+    )
     if a.json:
         print(json.dumps(res))
 

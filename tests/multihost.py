@@ -28,7 +28,7 @@ class Host:
         self.name, self.ns, self.veth = name, ns, veth
         self.here, self.there = f"10.231.{octet}.1", f"10.231.{octet}.2"
 
-    def create(self) -> "Host":
+    def create(self) -> Host:
         inner = self.veth.replace("dh", "dn", 1)
         _ip("netns", "add", self.ns)
         try:
@@ -53,8 +53,21 @@ class Host:
         f = open(log, "a")
         f.write(f"$ [{self.name}] dflash {' '.join(map(str, args))}\n")
         f.flush()
-        cmd = ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c", f'hostname {self.name} && exec "$0" "$@"',
-               sys.executable, "-m", "dflash_staged", *map(str, args)]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f'hostname {self.name} && exec "$0" "$@"',
+            sys.executable,
+            "-m",
+            "dflash_staged",
+            *map(str, args),
+        ]
         p = subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=f, stderr=subprocess.STDOUT, text=True)
         f.close()
         return p

@@ -61,25 +61,41 @@ class PgCluster:
             cmd = ["runuser", "-u", self.user, "--"] + cmd
         return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=120)
 
-    def init(self, durable: bool = False) -> "PgCluster":
+    def init(self, durable: bool = False) -> PgCluster:
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
         hba = self.data / "pg_hba.conf"
-        hba.write_text("local all all trust\n"
-                       "host all pwuser 127.0.0.1/32 scram-sha-256\n"
-                       "host all all 127.0.0.1/32 trust\n"
-                       "host all all 10.231.0.0/16 trust\n")
+        hba.write_text(
+            "local all all trust\n"
+            "host all pwuser 127.0.0.1/32 scram-sha-256\n"
+            "host all all 127.0.0.1/32 trust\n"
+            "host all all 10.231.0.0/16 trust\n"
+        )
         # A test server: durability costs (fsync) off unless `durable`; the server is only ever stopped,
         # never the host (committed data survives `-m immediate` in the page cache). See
         # docs/multinode.md for the settings a real run needs.
         with open(self.data / "postgresql.conf", "a") as f:
-            f.write(("" if durable else "\nfsync = off\nfull_page_writes = off") + "\nmax_connections = 200\n"
-                    "shared_buffers = 64MB\nunix_socket_directories = ''\n")
+            f.write(
+                ("" if durable else "\nfsync = off\nfull_page_writes = off") + "\nmax_connections = 200\n"
+                "shared_buffers = 64MB\nunix_socket_directories = ''\n"
+            )
         return self
 
     def start(self) -> None:
         opts = f"-p {self.port} -c listen_addresses='{','.join(self.listen)}'"
-        r = self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.log), "-w", "-t", "60", "start",
-                      check=False)
+        r = self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-o",
+            opts,
+            "-l",
+            str(self.log),
+            "-w",
+            "-t",
+            "60",
+            "start",
+            check=False,
+        )
         if r.returncode != 0:
             raise RuntimeError(f"pg_ctl start failed: {r.stdout}{r.stderr}\n{self.log_tail()}")
 
@@ -101,8 +117,14 @@ class PgCluster:
         except OSError:
             return ""
 
-    def url(self, name: str | None = None, host: str = "127.0.0.1", user: str = "postgres", db: str = "postgres",
-            password: str | None = None) -> str:
+    def url(
+        self,
+        name: str | None = None,
+        host: str = "127.0.0.1",
+        user: str = "postgres",
+        db: str = "postgres",
+        password: str | None = None,
+    ) -> str:
         """A manifest address; a fresh manifest name unless ``name`` is given."""
         if name is None:
             self._names += 1
@@ -112,9 +134,26 @@ class PgCluster:
 
     def sql(self, statement: str, db: str = "postgres") -> str:
         """Run an administrative statement with psql (the server's own client)."""
-        r = subprocess.run([str(self.bindir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-                            "-d", db, "-v", "ON_ERROR_STOP=1", "-qAtc", statement], capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run(
+            [
+                str(self.bindir / "psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                "-d",
+                db,
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-qAtc",
+                statement,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if r.returncode != 0:
             raise RuntimeError(f"psql {statement!r}: {r.stderr}")
         return r.stdout
@@ -124,7 +163,9 @@ class PgCluster:
 
     def terminate_clients(self, application: str = "dflash-staged") -> None:
         """End every session of ``application`` (what a server restart does to them)."""
-        self.sql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{application}'")
+        self.sql(
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{application}'"
+        )
 
     def destroy(self) -> None:
         self.stop()
@@ -134,8 +175,10 @@ class PgCluster:
 def start_cluster(durable: bool = False) -> PgCluster:
     bindir = find_bindir()
     if bindir is None:
-        raise FileNotFoundError(f"no PostgreSQL server binaries (initdb, pg_ctl); install the {PACKAGE!r} package "
-                                f"(apt-get install {PACKAGE}) or set PG_BINDIR")
+        raise FileNotFoundError(
+            f"no PostgreSQL server binaries (initdb, pg_ctl); install the {PACKAGE!r} package "
+            f"(apt-get install {PACKAGE}) or set PG_BINDIR"
+        )
     c = PgCluster(bindir).init(durable)
     c.start()
     c.sql("CREATE ROLE pwuser LOGIN PASSWORD 'right'")
@@ -150,12 +193,14 @@ except ImportError:  # pragma: no cover - the module is also a plain helper
     pytest = None
 
 if pytest is not None:
+
     @pytest.fixture(scope="session")
     def pg():
         """The session's PostgreSQL cluster. Without the server binaries or the driver the tests that use
         it are skipped, naming what to install; with DFLASH_REQUIRE_POSTGRES=1 (CI) they fail instead."""
         from dflash_staged.manifest.pg_conn import driver
         from dflash_staged.manifest.states import ManifestError
+
         required = os.environ.get(REQUIRE_ENV) == "1"
         try:
             driver()  # the PostgreSQL driver of the [postgres] extra
@@ -183,4 +228,5 @@ if pytest is not None:
             @staticmethod
             def address(tmp_path: Path, name: str = "manifest"):
                 return tmp_path / name if cluster is None else cluster.url()
+
         return Backend

@@ -12,6 +12,7 @@ from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visib
 from dflash_staged.model.drafter import DFlashDrafter
 from dflash_staged.model.flex_blocks import FlexBlocks, bucket, resolve_attention
 from dflash_staged.train.objective import dflash_loss
+
 from helpers import make_drafter, packed_batch
 
 LENGTHS = [23, 9, 31]
@@ -20,8 +21,11 @@ ANCHORS = torch.tensor([40, 0, 23, 5, 31, 32, 62, 1, 22, 60, 50, 17])  # unsorte
 
 def with_layers(m, layer_types, window):
     """The same weights with other layer kinds."""
-    out = DFlashDrafter(dataclasses.replace(m.dcfg, layer_types=layer_types, sliding_window=window),
-                        m.embed_weight, m.lm_head_weight)
+    out = DFlashDrafter(
+        dataclasses.replace(m.dcfg, layer_types=layer_types, sliding_window=window),
+        m.embed_weight,
+        m.lm_head_weight,
+    )
     out.load_state_dict(m.state_dict())
     return out.eval()
 
@@ -41,7 +45,9 @@ def test_rule_against_brute_force(w):
     a = torch.arange(L)[:, None, None]
     q = torch.arange(B)[None, :, None]
     got = context_visible(p, a, q, w)
-    want = torch.tensor([[[sees_context(pp, aa, qq, w) for pp in range(L)] for qq in range(B)] for aa in range(L)])
+    want = torch.tensor(
+        [[[sees_context(pp, aa, qq, w) for pp in range(L)] for qq in range(B)] for aa in range(L)]
+    )
     assert torch.equal(got.expand_as(want), want)
     got_b = block_visible(torch.arange(B)[None], torch.arange(B)[:, None], w)
     assert torch.equal(got_b, torch.tensor([[sees_block(k, qq, w) for k in range(B)] for qq in range(B)]))
@@ -50,6 +56,7 @@ def test_rule_against_brute_force(w):
 @pytest.mark.parametrize("w", [0, 4])
 def test_flex_mask_against_brute_force(w):
     from torch.nn.attention.flex_attention import create_mask
+
     B = 4
     cu = torch.tensor([0, 7, 10, 18])
     anchors = torch.tensor([12, 0, 6, 9, 3, 17])
@@ -76,7 +83,7 @@ def brute_force_logits(m, hidden, ids, a):
     B = m.block_size
     ctx = m.fuse_context(hidden)
     L = ctx.shape[0]
-    x = m._block_input(ids[a:a + 1])[0]
+    x = m._block_input(ids[a : a + 1])[0]
     cos_c, sin_c = m._rope(torch.arange(L), x.dtype)
     cos_b, sin_b = m._rope(torch.arange(a, a + B), x.dtype)
     for layer in m.layers:
@@ -92,14 +99,20 @@ def brute_force_logits(m, hidden, ids, a):
             keys += [(kb[k], vb[k]) for k in range(B) if sees_block(k, qo, at.window)]
             K, V = torch.stack([k for k, _ in keys]), torch.stack([v for _, v in keys])
             for hh in range(at.nh):
-                out[qo, hh] = torch.softmax(K[:, hh // g] @ q[qo, hh] / at.hd ** 0.5, 0) @ V[:, hh // g]
+                out[qo, hh] = torch.softmax(K[:, hh // g] @ q[qo, hh] / at.hd**0.5, 0) @ V[:, hh // g]
         x = x + at.o_proj(out.flatten(-2))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return m.logits(m.norm(x)[1:])
 
 
-@pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 5),
-                                                (["sliding_attention", "sliding_attention"], 2)])
+@pytest.mark.parametrize(
+    "layer_types,window",
+    [
+        (None, None),
+        (["sliding_attention", "full_attention"], 5),
+        (["sliding_attention", "sliding_attention"], 2),
+    ],
+)
 def test_every_path_against_brute_force(layer_types, window):
     m = make_drafter(block=4)
     m = with_layers(m, layer_types, window) if layer_types else m.eval()
@@ -114,7 +127,9 @@ def test_every_path_against_brute_force(layer_types, window):
             ref = brute_force_logits(m, b["hidden"][s:e], b["input_ids"][s:e], t - s)
             torch.testing.assert_close(sdpa[i], ref, atol=2e-5, rtol=1e-5)
             torch.testing.assert_close(flex[i], ref, atol=2e-5, rtol=1e-5)
-            torch.testing.assert_close(m.draft_block(b["hidden"][s:t], b["input_ids"][t]), ref, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                m.draft_block(b["hidden"][s:t], b["input_ids"][t]), ref, atol=2e-5, rtol=1e-5
+            )
 
 
 def hop_kernel(q, k, v, block_mask):
@@ -122,6 +137,7 @@ def hop_kernel(q, k, v, block_mask):
     function refuses backward on CPU, so this is how a CPU test reaches flex's gradients."""
     from torch._higher_order_ops.flex_attention import flex_attention as hop
     from torch.nn.attention.flex_attention import _apply_kernel_options, _identity
+
     opts = _apply_kernel_options(q, k, v, False, None, None)
     return hop(q, k, v, _identity, block_mask.as_tuple(), q.shape[-1] ** -0.5, opts)[0]
 
@@ -134,8 +150,9 @@ def test_flex_path_equals_sdpa_path_outputs_and_gradients(monkeypatch, heads, kv
     results = {}
     for attention in ("sdpa", "flex"):
         m = with_layers(base, base.dcfg.layer_types, 6).train()
-        loss, stats = dflash_loss(m, b, num_anchors=9, gamma=4.0, generator=torch.Generator().manual_seed(5),
-                                  attention=attention)
+        loss, stats = dflash_loss(
+            m, b, num_anchors=9, gamma=4.0, generator=torch.Generator().manual_seed(5), attention=attention
+        )
         loss.backward()
         results[attention] = (loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, stats)
     (l1, g1, s1), (l2, g2, s2) = results["sdpa"], results["flex"]
@@ -157,6 +174,7 @@ def test_cut_keys_change_nothing_but_the_work():
         def build(pk, windows):
             made[cut] = SdpaBlocks(pk, m.dcfg.num_attention_heads, windows, cut_keys=cut)
             return made[cut]
+
         return build
 
     with torch.no_grad():
@@ -169,7 +187,9 @@ def test_cut_keys_change_nothing_but_the_work():
 def test_attention_choice_is_resolved_per_device():
     cpu = torch.device("cpu")
     assert resolve_attention("auto", cpu) == "sdpa" and resolve_attention("sdpa", cpu) == "sdpa"
-    with pytest.raises(DflashError, match=r"train.attention='flex' on cpu: .*no backward.*train.attention = \"sdpa\""):
+    with pytest.raises(
+        DflashError, match=r"train.attention='flex' on cpu: .*no backward.*train.attention = \"sdpa\""
+    ):
         resolve_attention("flex", cpu)
     with pytest.raises(DflashError, match="use one of auto, flex, sdpa"):
         resolve_attention("dense", cpu)
@@ -183,6 +203,7 @@ def test_compiled_flex_forward_on_cpu_equals_sdpa():  # ~30 s: inductor compiles
 
     def compiled(q, k, v, block_mask):
         from torch.nn.attention.flex_attention import flex_attention
+
         return torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     with torch.no_grad():
@@ -204,8 +225,14 @@ def test_compiled_flex_on_cuda_equals_sdpa_outputs_and_gradients():
     results = {}
     for attention in ("sdpa", "flex"):
         m = with_layers(base, base.dcfg.layer_types, 6).cuda().train()
-        loss, _ = dflash_loss(m, b, num_anchors=40, gamma=4.0, generator=torch.Generator("cuda").manual_seed(5),
-                              attention=attention)
+        loss, _ = dflash_loss(
+            m,
+            b,
+            num_anchors=40,
+            gamma=4.0,
+            generator=torch.Generator("cuda").manual_seed(5),
+            attention=attention,
+        )
         loss.backward()
         results[attention] = (loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()})
     (l1, g1), (l2, g2) = results["sdpa"], results["flex"]

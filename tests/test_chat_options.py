@@ -8,6 +8,7 @@ import pytest
 from dflash_staged.config import ConfigError, load_config
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.tiny import build_tiny_tokenizer
+
 from helpers import cli, write_config
 
 # A Qwen3-style template written for these tests, with Qwen3's switch: the generation prompt ends
@@ -25,10 +26,13 @@ QWEN3_STYLE = (
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}")
+    "{%- endif %}{%- endif %}"
+)
 EMPTY_THINK = "<think>\n\n</think>\n\n"
-CONV = [{"role": "user", "content": "what is the capital of france"},
-        {"role": "assistant", "content": "paris is the answer, the data says so."}]
+CONV = [
+    {"role": "user", "content": "what is the capital of france"},
+    {"role": "assistant", "content": "paris is the answer, the data says so."},
+]
 PROMPT = [{"role": "user", "content": "explain why the model is fast"}]
 
 
@@ -37,8 +41,10 @@ def setup_plan(tmp_path, thinking: bool, name: str, template_text: str = QWEN3_S
     tpl.write_text(template_text)
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": CONV}) + "\n" for _ in range(6)))
-    extra = (f"[data]\nmin_loss_tokens = 1\ntoken_budget = 512\nchat_template = \"{tpl}\"\n"
-             f"chat_template_kwargs = {{ enable_thinking = {str(thinking).lower()} }}\n")
+    extra = (
+        f'[data]\nmin_loss_tokens = 1\ntoken_budget = 512\nchat_template = "{tpl}"\n'
+        f"chat_template_kwargs = {{ enable_thinking = {str(thinking).lower()} }}\n"
+    )
     cfg = write_config(tmp_path / f"{name}.toml", extra)
     code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", tmp_path / name)
     return cfg, code, out
@@ -54,24 +60,40 @@ def test_enable_thinking_moves_the_empty_think_block_out_of_the_loss(tmp_path):
     assert code == 0, out
     _, code, out = setup_plan(tmp_path, True, "on")
     assert code == 0, out
-    with Manifest.open(tmp_path / "off", readonly=True) as off, Manifest.open(tmp_path / "on", readonly=True) as on:
+    with (
+        Manifest.open(tmp_path / "off", readonly=True) as off,
+        Manifest.open(tmp_path / "on", readonly=True) as on,
+    ):
         (ids_off, mask_off), (ids_on, mask_on) = off.sample(0), on.sample(0)
-        assert off.meta["chat"] == {"kwargs": {"enable_thinking": False}, "template": QWEN3_STYLE,
-                                    "template_path": str(tmp_path / "qwen3-style.jinja")}
+        assert off.meta["chat"] == {
+            "kwargs": {"enable_thinking": False},
+            "template": QWEN3_STYLE,
+            "template_path": str(tmp_path / "qwen3-style.jinja"),
+        }
         assert on.meta["config"]["data"]["chat_template_kwargs"] == {"enable_thinking": True}
     # Qwen3's template renders a finished conversation alike in both modes; what differs is the
     # generation prompt, so the empty think block is prompt (non-thinking) or generated text (thinking)
-    assert tok.decode(ids_off.tolist()) == tok.decode(ids_on.tolist()) == (
-        "<|im_start|>user\nwhat is the capital of france<|im_end|>\n<|im_start|>assistant\n"
-        + EMPTY_THINK + "paris is the answer, the data says so.<|im_end|>\n")
+    assert (
+        tok.decode(ids_off.tolist())
+        == tok.decode(ids_on.tolist())
+        == (
+            "<|im_start|>user\nwhat is the capital of france<|im_end|>\n<|im_start|>assistant\n"
+            + EMPTY_THINK
+            + "paris is the answer, the data says so.<|im_end|>\n"
+        )
+    )
     assert loss_text(tok, ids_off, mask_off) == "paris is the answer, the data says so.<|im_end|>"
     assert loss_text(tok, ids_on, mask_on) == EMPTY_THINK + "paris is the answer, the data says so.<|im_end|>"
 
 
 def test_reasoning_data_in_non_thinking_mode_is_flagged(tmp_path):
     """A reasoning answer rendered in non-thinking mode is not a continuation of the generation prompt."""
-    reasoning = {"conversations": [{"from": "human", "value": "what is the capital of france"},
-                                   {"from": "gpt", "value": "<think>\nrecall it\n</think>\n\nparis, says the data."}]}
+    reasoning = {
+        "conversations": [
+            {"from": "human", "value": "what is the capital of france"},
+            {"from": "gpt", "value": "<think>\nrecall it\n</think>\n\nparis, says the data."},
+        ]
+    }
     for thinking, warned in ((False, True), (True, False)):
         _, code, out = setup_plan(tmp_path, thinking, f"m-{thinking}")
         assert code == 0 and "warning:" not in out, out
@@ -80,8 +102,10 @@ def test_reasoning_data_in_non_thinking_mode_is_flagged(tmp_path):
         cfg = tmp_path / f"m-{thinking}.toml"
         code, out = cli("plan", "--config", cfg, "--data", data, "--manifest", tmp_path / f"r-{thinking}")
         assert code == 0, out
-        assert ("warning: in 1 conversation(s) the last assistant turn does not continue the generation prompt"
-                in out) is warned, out
+        assert (
+            "warning: in 1 conversation(s) the last assistant turn does not continue the generation prompt"
+            in out
+        ) is warned, out
 
 
 def test_the_template_file_counts_in_the_plan_identity(tmp_path):
@@ -98,11 +122,14 @@ def test_the_template_file_counts_in_the_plan_identity(tmp_path):
     assert not (tmp_path / "m2").exists()
 
 
-@pytest.mark.parametrize("toml, what", [
-    ("chat_template_kwargs = 5", "data.chat_template_kwargs: expected a table"),
-    ("chat_template_kwargs = { tokenize = true }", "data.chat_template_kwargs.tokenize: dflash sets"),
-    ("chat_template_kwargs = { when = 1979-05-27 }", "data.chat_template_kwargs: Object of type date"),
-])
+@pytest.mark.parametrize(
+    "toml, what",
+    [
+        ("chat_template_kwargs = 5", "data.chat_template_kwargs: expected a table"),
+        ("chat_template_kwargs = { tokenize = true }", "data.chat_template_kwargs.tokenize: dflash sets"),
+        ("chat_template_kwargs = { when = 1979-05-27 }", "data.chat_template_kwargs: Object of type date"),
+    ],
+)
 def test_bad_chat_options_in_the_config(tmp_path, toml, what):
     p = tmp_path / "c.toml"
     p.write_text(f"[data]\n{toml}\n")
@@ -115,23 +142,41 @@ def test_eval_renders_prompts_with_the_recorded_options(tmp_path):
     _, code, out = setup_plan(tmp_path, False, "m")
     assert code == 0, out
     store, run = tmp_path / "store", tmp_path / "run"
-    for args in (("extract", "--manifest", tmp_path / "m", "--store", store, "--devices", "cpu"),
-                 ("train", "--manifest", tmp_path / "m", "--store", store, "--out", run, "--device", "cpu")):
+    for args in (
+        ("extract", "--manifest", tmp_path / "m", "--store", store, "--devices", "cpu"),
+        ("train", "--manifest", tmp_path / "m", "--store", store, "--out", run, "--device", "cpu"),
+    ):
         code, out = cli(*args)
         assert code == 0, out
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"messages": PROMPT + [{"role": "assistant", "content": "reference"}]}) + "\n")
+    prompts.write_text(
+        json.dumps({"messages": PROMPT + [{"role": "assistant", "content": "reference"}]}) + "\n"
+    )
     tok = build_tiny_tokenizer()
     tok.chat_template = QWEN3_STYLE
 
     def eval_report(*extra):
-        code, out = cli("eval", "--drafter", run, "--target", "tiny:qwen3", "--prompts", prompts,
-                        "--max-new-tokens", 2, "--no-baseline", "--json", *extra)
+        code, out = cli(
+            "eval",
+            "--drafter",
+            run,
+            "--target",
+            "tiny:qwen3",
+            "--prompts",
+            prompts,
+            "--max-new-tokens",
+            2,
+            "--no-baseline",
+            "--json",
+            *extra,
+        )
         assert code == 0, out
         return json.loads(out.strip().splitlines()[-1])
 
     def rendered(thinking: bool) -> int:
-        text = tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+        text = tok.apply_chat_template(
+            PROMPT, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
     r = eval_report()

@@ -57,7 +57,9 @@ def test_plan_then_status(tmp_path):
     for e in (0, 1):
         seen = Counter(i for j in jobs if j["epoch"] == e for i in j["sample_ids"])
         assert sorted(seen) == list(range(40)) and set(seen.values()) == {1}
-    assert all(j["state"] == "pending" and {"id", "epoch", "bucket", "sample_ids", "state"} <= set(j) for j in jobs)
+    assert all(
+        j["state"] == "pending" and {"id", "epoch", "bucket", "sample_ids", "state"} <= set(j) for j in jobs
+    )
 
     code, out = run("status", "--manifest", man)
     assert code == 0 and "pending" in out and "extracted 0/" in out
@@ -82,8 +84,10 @@ def test_replan_same_is_noop_and_different_refuses(tmp_path):
 
 def test_default_manifest_dir_and_messages(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    conv = [{"role": "user", "content": "what is the capital of france"},
-            {"role": "assistant", "content": "paris is the answer. " * 4}]
+    conv = [
+        {"role": "user", "content": "what is the capital of france"},
+        {"role": "assistant", "content": "paris is the answer. " * 4},
+    ]
     data = write(tmp_path / "d.jsonl", [{"messages": conv}] + rows(5))
     code, out = run("plan", "--config", CONFIG, "--data", data)
     assert code == 0, out
@@ -121,11 +125,14 @@ def test_bad_input_clean_error_nothing_written(tmp_path, line, what):
     assert code == 0 and "1 bad" in out and "samples: 5" in out, out
 
 
-@pytest.mark.parametrize("content, what", [
-    (b"", "the data file is empty"),
-    (b'{"input_ids": [4, 5], "loss_mask": [1, 1]}\n{"x": "\xff\xfe"}\n', "d.jsonl:2: field (line): byte"),
-    (b'{"input_ids": [4, 5], "loss_mask": [1, 1]}\n', "no usable samples"),
-])
+@pytest.mark.parametrize(
+    "content, what",
+    [
+        (b"", "the data file is empty"),
+        (b'{"input_ids": [4, 5], "loss_mask": [1, 1]}\n{"x": "\xff\xfe"}\n', "d.jsonl:2: field (line): byte"),
+        (b'{"input_ids": [4, 5], "loss_mask": [1, 1]}\n', "no usable samples"),
+    ],
+)
 def test_empty_non_utf8_and_unusable_files(tmp_path, content, what):
     data = tmp_path / "d.jsonl"
     data.write_bytes(content)
@@ -136,8 +143,15 @@ def test_empty_non_utf8_and_unusable_files(tmp_path, content, what):
 
 
 def test_missing_files_and_status_without_manifest(tmp_path):
-    code, out = run("plan", "--config", tmp_path / "nope.toml", "--data", tmp_path / "d.jsonl",
-                    "--manifest", tmp_path / "m")
+    code, out = run(
+        "plan",
+        "--config",
+        tmp_path / "nope.toml",
+        "--data",
+        tmp_path / "d.jsonl",
+        "--manifest",
+        tmp_path / "m",
+    )
     assert code == 1 and "nope.toml" in out and "Traceback" not in out
     code, out = run("plan", "--config", CONFIG, "--data", tmp_path / "d.jsonl", "--manifest", tmp_path / "m")
     assert code == 1 and "cannot read the data file" in out and not (tmp_path / "m").exists()

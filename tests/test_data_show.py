@@ -1,4 +1,5 @@
-"""dflash data show: samples rendered as plan renders them, loss tokens marked (text, colour, HTML, a browser)."""
+"""dflash data show: samples rendered as plan renders them, loss tokens marked (text, colour, HTML, a
+browser)."""
 
 import json
 import re
@@ -9,6 +10,7 @@ import tempfile
 import pytest
 
 from dflash_staged.manifest import Manifest
+
 from helpers import ROOT, cli, write_config
 
 EXTRA = "[data]\nmin_loss_tokens = 1\nmax_len = 64\n"
@@ -16,11 +18,21 @@ ANSWER = "paris is the answer, the data says so."
 
 
 def records():
-    conv = [{"role": "user", "content": "what is the capital of france"}, {"role": "assistant", "content": ANSWER}]
-    return [{"messages": conv},
-            {"conversations": [{"from": "human", "value": "why"}, {"from": "gpt", "value": "the model is fast."}]},
-            {"input_ids": list(range(10, 20)), "loss_mask": [0] * 4 + [1] * 6},
-            {"messages": [conv[0], {"role": "assistant", "content": "one two three " * 30}]}]  # truncated to 64
+    conv = [
+        {"role": "user", "content": "what is the capital of france"},
+        {"role": "assistant", "content": ANSWER},
+    ]
+    return [
+        {"messages": conv},
+        {
+            "conversations": [
+                {"from": "human", "value": "why"},
+                {"from": "gpt", "value": "the model is fast."},
+            ]
+        },
+        {"input_ids": list(range(10, 20)), "loss_mask": [0] * 4 + [1] * 6},
+        {"messages": [conv[0], {"role": "assistant", "content": "one two three " * 30}]},
+    ]  # truncated to 64
 
 
 @pytest.fixture
@@ -70,25 +82,55 @@ def test_bad_record_is_one_line(tmp_path, data):
     p, cfg = data
     p.write_text(p.read_text() + json.dumps({"conversations": [{"from": "robot", "value": "x"}]}) + "\n")
     code, out = cli("data", "show", "--config", cfg, "--data", p)
-    assert code == 1 and out.count("\n") == 1 and f"{p}:6: field conversations[0].from: unknown role" in out, out
+    assert (
+        code == 1 and out.count("\n") == 1 and f"{p}:6: field conversations[0].from: unknown role" in out
+    ), out
     code, out = cli("data", "show", "--config", cfg, "--data", p, "--skip-bad", "--no-color")
     assert code == 0 and "skipped: 1 bad" in out and "e.g. " in out, out
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
+@pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)"
+)
 def test_html_page_in_a_headless_browser_shows_the_loss(tmp_path):
     import numpy as np
     from PIL import Image
+
     page, shot = tmp_path / "show.html", tmp_path / "shot.png"
     cfg = write_config(tmp_path / "cfg.toml", "[data]\nmin_loss_tokens = 1\n")
-    code, out = cli("data", "show", "--config", cfg, "--data", ROOT / "demo" / "data" / "train.jsonl", "-n", 2,
-                    "--html", page)
+    code, out = cli(
+        "data",
+        "show",
+        "--config",
+        cfg,
+        "--data",
+        ROOT / "demo" / "data" / "train.jsonl",
+        "-n",
+        2,
+        "--html",
+        page,
+    )
     assert code == 0, out
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                        "--disable-component-update", "--disable-sync", "--no-first-run",
-                        f"--user-data-dir={profile}", f"--screenshot={shot}", "--window-size=1000,700",
-                        page.as_uri()], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                "chromium",
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                f"--screenshot={shot}",
+                "--window-size=1000,700",
+                page.as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     px = np.asarray(Image.open(shot).convert("RGB"))
     loss_bg = int((px == (183, 240, 177)).all(axis=-1).sum())  # .loss background #b7f0b1
     assert loss_bg > 1000, loss_bg  # the loss tokens are visibly highlighted

@@ -6,14 +6,21 @@ import json
 import numpy as np
 import pytest
 
+from dflash_staged.model.tiny import build_tiny_tokenizer
 from dflash_staged.plan import dataset
 from dflash_staged.plan.dataset import DatasetError, load_dataset, tokenize_messages
-from dflash_staged.model.tiny import build_tiny_tokenizer
+
 from helpers import cfg_for
 
 # cfg_for's base here: short lines, at least 2 loss tokens, a 4-token block, the tiny tokenizer's <mask> (3)
-DATASET = dict(data__max_len=64, data__overlength="truncate", data__token_budget=256, data__min_loss_tokens=2,
-               drafter__block_size=4, drafter__mask_token_id=3)
+DATASET = dict(
+    data__max_len=64,
+    data__overlength="truncate",
+    data__token_budget=256,
+    data__min_loss_tokens=2,
+    drafter__block_size=4,
+    drafter__mask_token_id=3,
+)
 
 
 def write(path, lines):
@@ -40,8 +47,15 @@ def test_pretokenised_roundtrip_and_hash(tmp_path, monkeypatch):
     ids, mask = s.sample(0)
     assert ids.tolist() == [4, 5, 6] and mask.tolist() == [0, 1, 1]
     assert s.tokens.dtype == np.int32 and s.loss_mask.dtype == np.uint8 and s.offsets.dtype == np.int64
-    assert s.stats == dict(lines=2, samples=2, bad=0, truncated=0, skipped_long=0, skipped_short_loss=0,
-                           format="JSONL, 2 token ids")
+    assert s.stats == dict(
+        lines=2,
+        samples=2,
+        bad=0,
+        truncated=0,
+        skipped_long=0,
+        skipped_short_loss=0,
+        format="JSONL, 2 token ids",
+    )
 
 
 def test_overlength_truncate_and_skip_and_short_loss(tmp_path):
@@ -69,24 +83,27 @@ def test_skip_bad_counts_and_first_error_otherwise(tmp_path):
     assert "d.jsonl:3: field input_ids" in s.bad_examples[1]
 
 
-@pytest.mark.parametrize("line, field, what", [
-    ([1, 2], "(line)", "expected a JSON object"),
-    ({"input_ids": [4, 5]}, "loss_mask", "missing field"),
-    ({"loss_mask": [1]}, "input_ids", "missing field"),
-    ({"input_ids": "abc", "loss_mask": [1]}, "input_ids", "list of integers"),
-    ({"input_ids": [4, 5.5], "loss_mask": [1, 1]}, "input_ids", "5.5"),
-    ({"input_ids": [4, [5]], "loss_mask": [1, 1]}, "input_ids", "list of integers"),
-    ({"input_ids": [4, 2**70], "loss_mask": [1, 1]}, "input_ids", "list of integers"),
-    ({"input_ids": [4, 5], "loss_mask": [1]}, "loss_mask", "has 1 values but input_ids has 2"),
-    ({"input_ids": [4, 5], "loss_mask": [1, 2]}, "loss_mask", "value 2 is not 0 or 1"),
-    ({"input_ids": [], "loss_mask": []}, "input_ids", "empty"),
-    ({"input_ids": [4, 2048], "loss_mask": [1, 1]}, "input_ids", "id 2048 at position 1 is outside"),
-    ({"input_ids": [-1, 4], "loss_mask": [1, 1]}, "input_ids", "id -1 at position 0"),
-    ({"input_ids": [4, 3], "loss_mask": [1, 1]}, "input_ids", "mask token id 3"),
-    ({"messages": "hi"}, "messages", "non-empty list"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing field"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "expected a string"),
-])
+@pytest.mark.parametrize(
+    "line, field, what",
+    [
+        ([1, 2], "(line)", "expected a JSON object"),
+        ({"input_ids": [4, 5]}, "loss_mask", "missing field"),
+        ({"loss_mask": [1]}, "input_ids", "missing field"),
+        ({"input_ids": "abc", "loss_mask": [1]}, "input_ids", "list of integers"),
+        ({"input_ids": [4, 5.5], "loss_mask": [1, 1]}, "input_ids", "5.5"),
+        ({"input_ids": [4, [5]], "loss_mask": [1, 1]}, "input_ids", "list of integers"),
+        ({"input_ids": [4, 2**70], "loss_mask": [1, 1]}, "input_ids", "list of integers"),
+        ({"input_ids": [4, 5], "loss_mask": [1]}, "loss_mask", "has 1 values but input_ids has 2"),
+        ({"input_ids": [4, 5], "loss_mask": [1, 2]}, "loss_mask", "value 2 is not 0 or 1"),
+        ({"input_ids": [], "loss_mask": []}, "input_ids", "empty"),
+        ({"input_ids": [4, 2048], "loss_mask": [1, 1]}, "input_ids", "id 2048 at position 1 is outside"),
+        ({"input_ids": [-1, 4], "loss_mask": [1, 1]}, "input_ids", "id -1 at position 0"),
+        ({"input_ids": [4, 3], "loss_mask": [1, 1]}, "input_ids", "mask token id 3"),
+        ({"messages": "hi"}, "messages", "non-empty list"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content", "missing field"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "expected a string"),
+    ],
+)
 def test_bad_line_messages(tmp_path, line, field, what):
     p = write(tmp_path / "d.jsonl", [row([4, 5]), line])
     with pytest.raises(DatasetError) as e:
@@ -123,11 +140,13 @@ def loss_texts(tok, ids, mask):
     return out
 
 
-CONV = [{"role": "system", "content": "be brief"},
-        {"role": "user", "content": "what is the capital of france"},
-        {"role": "assistant", "content": "paris is the answer."},
-        {"role": "user", "content": "why"},
-        {"role": "assistant", "content": "the data says so."}]
+CONV = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "what is the capital of france"},
+    {"role": "assistant", "content": "paris is the answer."},
+    {"role": "user", "content": "why"},
+    {"role": "assistant", "content": "the data says so."},
+]
 
 
 def test_messages_loss_mask_covers_exactly_assistant_turns(tok):
@@ -151,7 +170,8 @@ THINK_TEMPLATE = (
     "{%- if loop.index0 > ns.last %}{{- '<|im_start|>assistant\\n<think>\\n' + r + '\\n</think>\\n\\n' + c }}"
     "{%- else %}{{- '<|im_start|>assistant\\n' + c }}{%- endif %}{{- '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def test_messages_history_rewriting_template():
@@ -161,11 +181,16 @@ def test_messages_history_rewriting_template():
     conv[2]["content"] = "<think>hmm the capital</think>\n\nparis is the answer."
     conv[4]["content"] = "<think>data</think>the data says so."
     ids, mask = tokenize_messages(tok, conv)
-    assert loss_texts(tok, ids, mask) == ["paris is the answer.<|im_end|>",
-                                          "<think>\ndata\n</think>\n\nthe data says so.<|im_end|>"]
+    assert loss_texts(tok, ids, mask) == [
+        "paris is the answer.<|im_end|>",
+        "<think>\ndata\n</think>\n\nthe data says so.<|im_end|>",
+    ]
     # assistant speaking first, and an empty final assistant turn
-    conv = [{"role": "assistant", "content": "hello world"}, {"role": "user", "content": "why"},
-            {"role": "assistant", "content": ""}]
+    conv = [
+        {"role": "assistant", "content": "hello world"},
+        {"role": "user", "content": "why"},
+        {"role": "assistant", "content": ""},
+    ]
     ids, mask = tokenize_messages(tok, conv)
     assert loss_texts(tok, ids, mask) == ["hello world<|im_end|>", "<think>\n\n</think>\n\n<|im_end|>"]
 
@@ -179,6 +204,11 @@ def test_messages_lines_in_a_file(tmp_path, tok, monkeypatch):
     want_ids, want_mask = tokenize_messages(tok, conv)
     assert ids.tolist() == want_ids.tolist() and mask.tolist() == want_mask.tolist()
     # the tiny tokenizer maps the literal "<mask>" to id 3, the drafter's mask id: a bad line
-    write(p, [{"messages": [{"role": "user", "content": "a <mask> b"}, {"role": "assistant", "content": "c d"}]}])
-    with pytest.raises(DatasetError, match=r"d\.jsonl:1: field messages \(tokenised\): contains the drafter's mask"):
+    write(
+        p,
+        [{"messages": [{"role": "user", "content": "a <mask> b"}, {"role": "assistant", "content": "c d"}]}],
+    )
+    with pytest.raises(
+        DatasetError, match=r"d\.jsonl:1: field messages \(tokenised\): contains the drafter's mask"
+    ):
         load_dataset(p, cfg_for(DATASET))

@@ -11,8 +11,8 @@ import torch
 from helpers import demo_prepare
 
 demo = demo_prepare()
-from dflash_staged.config import dflash_target_layers, load_config
-from dflash_staged.model.config_json import DraftModelConfig
+from dflash_staged.config import dflash_target_layers, load_config  # noqa: E402 - after demo_prepare
+from dflash_staged.model.config_json import DraftModelConfig  # noqa: E402 - after demo_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2-demo.toml"
@@ -30,8 +30,11 @@ def test_demo_config_loads_and_builds_the_drafter_config():
     assert t.min_ready <= t.buffer_capacity and 0 < t.gamma <= d.block_size
     assert t.num_anchors <= MAX_CONVERSATION_TOKENS  # anchors are positions: at most one per token
     from dflash_staged.manifest.window import window_check
+
     assert window_check(cfg, cfg.extract.window, workers=1, ranks=1) == (None, None)  # bin/demo: 1 worker
-    dcfg = DraftModelConfig.from_config(cfg, HIDDEN, VOCAB, LAYERS, cfg.target.target_layer_ids, d.mask_token_id)
+    dcfg = DraftModelConfig.from_config(
+        cfg, HIDDEN, VOCAB, LAYERS, cfg.target.target_layer_ids, d.mask_token_id
+    )
     assert dcfg.head_dim * dcfg.num_attention_heads == HIDDEN
     assert DraftModelConfig.from_json(dcfg.to_json()) == dcfg
 
@@ -42,6 +45,7 @@ def test_demo_mask_token_is_valid_and_absent_from_the_data():
         pytest.skip("the demo target is not prepared (python demo/prepare.py prepare)")
     from dflash_staged.model.target import load_tokenizer
     from dflash_staged.model.weights import check_mask_absent, validate_mask_token
+
     cfg = load_config(CONFIG)
     cfg.target.model = str(hf)
     tok = load_tokenizer(cfg.target)
@@ -66,25 +70,45 @@ def test_the_demo_recipe_mixes_length_buckets_in_every_step(tmp_path):
     """The demo's [data] and [train] on the tiny target and demo-like lengths: a live run and its
     replay, where every optimizer step whose buffer offered two buckets trains on two or more."""
     import tomllib
+
     from helpers import cli, run_dflash, toml_value, write_config, write_dataset
+
     recipe = tomllib.loads(CONFIG.read_text())
-    extra = "".join(f"[{s}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in recipe[s].items())
-                    for s in ("data", "train"))
+    extra = "".join(
+        f"[{s}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in recipe[s].items())
+        for s in ("data", "train")
+    )
     cfg = write_config(tmp_path / "cfg.toml", extra)
     data = write_dataset(tmp_path / "d.jsonl", n=60, lo=40, hi=MAX_CONVERSATION_TOKENS)
     code, text = cli("plan", "--config", cfg, "--data", data, "--manifest", tmp_path / "m")
     assert code == 0, text
     m, store = tmp_path / "m", tmp_path / "store"
     steps = {}
-    for name, args in (("live", ("extract", "--manifest", m, "--store", store, "--devices", "cpu", "--window", "256")),
-                       ("live", ("train", "--manifest", m, "--store", store, "--out", tmp_path / "live",
-                                 "--keep-shards")),
-                       ("replay", ("train", "--replay", "--manifest", m, "--store", store, "--out",
-                                   tmp_path / "replay", "--max-steps", "12"))):
+    for name, args in (
+        ("live", ("extract", "--manifest", m, "--store", store, "--devices", "cpu", "--window", "256")),
+        ("live", ("train", "--manifest", m, "--store", store, "--out", tmp_path / "live", "--keep-shards")),
+        (
+            "replay",
+            (
+                "train",
+                "--replay",
+                "--manifest",
+                m,
+                "--store",
+                store,
+                "--out",
+                tmp_path / "replay",
+                "--max-steps",
+                "12",
+            ),
+        ),
+    ):
         r = run_dflash(*args)
         assert r.returncode == 0, r.stdout + r.stderr
         if args[0] == "train":
-            steps[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            steps[name] = [
+                json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            ]
     for name, lines in steps.items():
         assert len(lines) >= 5, name
         for x in lines:

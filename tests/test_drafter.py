@@ -5,13 +5,23 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from dflash_staged.errors import DflashError
 from dflash_staged.model import block_attention
 from dflash_staged.model.drafter import DFlashDrafter
-from dflash_staged.errors import DflashError
-from dflash_staged.train.objective import (block_labels, decay_weights, dflash_loss, head_loss, noise_std_at,
-                                           per_offset_accuracy, sample_anchors, training_tau)
+from dflash_staged.train.objective import (
+    block_labels,
+    decay_weights,
+    dflash_loss,
+    head_loss,
+    noise_std_at,
+    per_offset_accuracy,
+    sample_anchors,
+    training_tau,
+)
+
 from helpers import H, V, make_drafter, one_by_one, packed_batch
 
 
@@ -32,7 +42,9 @@ def test_many_anchor_forward_equals_one_block_at_a_time(heads, kv):
 def test_attention_chunking_does_not_change_results(monkeypatch):
     m = make_drafter().eval()
     b = packed_batch([40, 33])
-    anchors = sample_anchors(b["loss_mask"], b["cu_seqlens"], m.block_size, 20, torch.Generator().manual_seed(1))
+    anchors = sample_anchors(
+        b["loss_mask"], b["cu_seqlens"], m.block_size, 20, torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         full = m.forward_train(b["hidden"], b["input_ids"], b["cu_seqlens"], anchors)
         monkeypatch.setattr(block_attention, "ATTN_CHUNK_ELEMS", 1)  # one anchor per attention call
@@ -65,8 +77,9 @@ def test_gradients_reach_drafter_params_only():
     embed = torch.nn.Parameter(m.embed_weight.clone())  # even a trainable tensor passed in stays frozen
     m2 = DFlashDrafter(m.dcfg, embed, m.lm_head_weight)
     m2.load_state_dict(m.state_dict())
-    loss, _ = dflash_loss(m2, packed_batch([30, 25]), num_anchors=8, gamma=4.0,
-                          generator=torch.Generator().manual_seed(0))
+    loss, _ = dflash_loss(
+        m2, packed_batch([30, 25]), num_anchors=8, gamma=4.0, generator=torch.Generator().manual_seed(0)
+    )
     loss.backward()
     for name, p in m2.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -137,8 +150,13 @@ def test_inconsistent_batch_is_a_user_error():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5), block=st.integers(2, 8),
-       n=st.integers(1, 12), seed=st.integers(0, 2**16), p=st.floats(0.0, 1.0))
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5),
+    block=st.integers(2, 8),
+    n=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+    p=st.floats(0.0, 1.0),
+)
 def test_sample_anchors_properties(lengths, block, n, seed, p):
     g = torch.Generator().manual_seed(seed)
     T = sum(lengths)
@@ -196,8 +214,10 @@ def test_decay_noise_and_acceptance_metrics():
 def test_noise_changes_features_reproducibly():
     m = make_drafter().eval()
     b = packed_batch([30])
-    runs = [dflash_loss(m, b, 4, 4.0, torch.Generator().manual_seed(1), noise_std=s)[0].item()
-            for s in (0.0, 0.5, 0.5)]
+    runs = [
+        dflash_loss(m, b, 4, 4.0, torch.Generator().manual_seed(1), noise_std=s)[0].item()
+        for s in (0.0, 0.5, 0.5)
+    ]
     assert runs[1] == runs[2] and runs[0] != runs[1]
 
 
@@ -214,7 +234,9 @@ def test_tiny_drafter_overfits_fixed_batches():
 
     def total_loss():
         with torch.no_grad():
-            return sum(dflash_loss(m, b, 64, 4.0, torch.Generator().manual_seed(0))[0].item() for b in batches)
+            return sum(
+                dflash_loss(m, b, 64, 4.0, torch.Generator().manual_seed(0))[0].item() for b in batches
+            )
 
     start = total_loss()
     for step in range(60):  # anchors are re-drawn every step

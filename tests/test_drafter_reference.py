@@ -14,12 +14,14 @@ import torch.nn.functional as F
 
 from dflash_staged.config import TargetConfig, load_config
 from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
-from dflash_staged.model.tiny import MASK
 from dflash_staged.model.target_weights import load_embed_and_head
+from dflash_staged.model.tiny import MASK
 from dflash_staged.model.weights import save_drafter
 
 REF = os.environ.get("DFLASH_REFERENCE_MODEL_PY", "")
-needs_ref = pytest.mark.skipif(not REF, reason="set DFLASH_REFERENCE_MODEL_PY to z-lab/dflash's dflash/model.py")
+needs_ref = pytest.mark.skipif(
+    not REF, reason="set DFLASH_REFERENCE_MODEL_PY to z-lab/dflash's dflash/model.py"
+)
 
 
 def reference_module():
@@ -48,8 +50,12 @@ def test_reference_model_loads_our_checkpoint_and_agrees(tmp_path):
     ids = torch.full((1, B), MASK)
     ids[0, 0] = 77
     with torch.no_grad():
-        h = ref(position_ids=torch.arange(S + B)[None], noise_embedding=F.embedding(ids, embed),
-                target_hidden=hidden.reshape(1, S, -1), is_causal=False)
+        h = ref(
+            position_ids=torch.arange(S + B)[None],
+            noise_embedding=F.embedding(ids, embed),
+            target_hidden=hidden.reshape(1, S, -1),
+            is_causal=False,
+        )
         theirs = F.linear(h[0, 1:], head)
         mine = ours.draft_block(hidden, 77)
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
@@ -69,8 +75,9 @@ def test_reference_model_loads_a_sliding_window_checkpoint(tmp_path):
     embed, head = load_embed_and_head(TargetConfig(model="tiny:qwen3"))
     ours = DFlashDrafter(DraftModelConfig.from_config(cfg, 128, 2048, 6, [1, 3], MASK), embed, head)
     save_drafter(ours, tmp_path / "ckpt")
-    ref, info = ref_mod.DFlashDraftModel.from_pretrained(tmp_path / "ckpt", dtype=torch.float32,
-                                                          output_loading_info=True)
+    ref, info = ref_mod.DFlashDraftModel.from_pretrained(
+        tmp_path / "ckpt", dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert [layer.self_attn.sliding_window for layer in ref.layers] == [16, 16, None]
     for name, p in ref.state_dict().items():

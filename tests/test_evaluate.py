@@ -8,10 +8,15 @@ from click.testing import CliRunner
 
 from dflash_staged.cli import main
 from dflash_staged.config import TargetConfig
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.errors import DflashError
 from dflash_staged.evaluate.prompts import load_prompts
-from dflash_staged.evaluate.speculative import DrafterProposer, acceptance_stats, greedy_generate, speculative_generate
+from dflash_staged.evaluate.speculative import (
+    DrafterProposer,
+    acceptance_stats,
+    greedy_generate,
+    speculative_generate,
+)
+from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.model.target import load_target
 from dflash_staged.model.tiny import MASK
 from dflash_staged.model.weights import save_drafter
@@ -19,16 +24,25 @@ from dflash_staged.model.weights import save_drafter
 B = 8
 
 
-
 def tiny_target(kind="qwen3", layer_ids=(1, 4)):
     return load_target(TargetConfig(model=f"tiny:{kind}", dtype="float32"), "cpu", layer_ids=list(layer_ids))
 
 
 def random_drafter(target, seed=0, block=B):
-    dcfg = DraftModelConfig(hidden_size=target.hidden_size, intermediate_size=256, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=target.vocab_size,
-                            block_size=block, num_target_layers=target.num_layers,
-                            target_layer_ids=list(target.layer_ids), mask_token_id=MASK, dtype="float32")
+    dcfg = DraftModelConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=target.vocab_size,
+        block_size=block,
+        num_target_layers=target.num_layers,
+        target_layer_ids=list(target.layer_ids),
+        mask_token_id=MASK,
+        dtype="float32",
+    )
     torch.manual_seed(seed)
     m = target.model
     return DFlashDrafter(dcfg, m.get_input_embeddings().weight, m.get_output_embeddings().weight).eval()
@@ -46,7 +60,9 @@ class Oracle:
 
     def propose(self, context, tokens):
         S = context.shape[0]
-        assert tokens.shape[0] == S + 1 and (tokens.tolist() == self.ref[:S + 1] or not self.strict)  # anchor = last
+        assert tokens.shape[0] == S + 1 and (
+            tokens.tolist() == self.ref[: S + 1] or not self.strict
+        )  # anchor = last
         self.calls.append(S)
         out = [self.ref[i] if i < len(self.ref) else 0 for i in range(S + 1, S + self.block_size)]
         if self.wrong_at is not None:
@@ -89,7 +105,7 @@ def test_oracle_gets_tau_equal_block_size(dense):
     ref = p.tolist() + greedy_generate(dense, p, n)
     oracle = Oracle(ref)
     out = speculative_generate(dense, oracle, p, n)
-    assert out.tokens == ref[len(p):]
+    assert out.tokens == ref[len(p) :]
     assert out.accepted == [B] * 6
     assert acceptance_stats(out.accepted, B)["tau"] == B
     assert oracle.calls == [len(p) + i * B for i in range(6)]  # context = all positions before the anchor
@@ -99,7 +115,7 @@ def test_partly_wrong_oracle_and_short_last_block(dense):
     p = prompt()
     ref = p.tolist() + greedy_generate(dense, p, 32)
     out = speculative_generate(dense, Oracle(ref, wrong_at=3), p, 32)  # draft 4 is always wrong
-    assert out.tokens == ref[len(p):]
+    assert out.tokens == ref[len(p) :]
     assert out.accepted == [4] * 7 + [3]  # 3 drafts + the bonus; the last block is cut to the 3 tokens left
     st = acceptance_stats(out.accepted, B)
     assert st["per_position_acceptance"] == [1.0, 1.0, 7 / 8, 0.0, 0.0, 0.0, 0.0]
@@ -113,7 +129,7 @@ def test_stop_token_ends_generation(dense):
     stop = ref[9]
     first = ref.index(stop)
     out = speculative_generate(dense, Oracle(p.tolist() + ref), p, 30, stop_token_ids=[stop])
-    assert out.tokens == ref[:first + 1] == greedy_generate(dense, p, 30, [stop])
+    assert out.tokens == ref[: first + 1] == greedy_generate(dense, p, 30, [stop])
 
 
 def test_drafter_proposer_matches_draft_block(dense):
@@ -146,6 +162,7 @@ class Recording:
 @pytest.mark.parametrize("layers", [None, ["sliding_attention", "full_attention"]])
 def test_drafter_kv_cache_drafts_as_recomputing_and_stays_lossless(dense, layers):
     import dataclasses
+
     t = dense
     drafter = random_drafter(t, seed=3)
     if layers:
@@ -156,7 +173,10 @@ def test_drafter_kv_cache_drafts_as_recomputing_and_stays_lossless(dense, layers
     for seed in range(2):
         p = prompt(9 + 5 * seed, seed)
         ref = greedy_generate(t, p, 30)
-        cached, fresh = Recording(DrafterProposer(drafter)), Recording(DrafterProposer(drafter, kv_cache=False))
+        cached, fresh = (
+            Recording(DrafterProposer(drafter)),
+            Recording(DrafterProposer(drafter, kv_cache=False)),
+        )
         out_c = speculative_generate(t, cached, p, 30)
         out_f = speculative_generate(t, fresh, p, 30)
         assert out_c.tokens == out_f.tokens == ref and out_c.accepted == out_f.accepted
@@ -178,27 +198,34 @@ def test_hybrid_target_is_lossless():
 # -- prompts and the command ---------------------------------------------------------------------
 def test_load_prompts_messages_and_ids(tmp_path):
     from dflash_staged.model.tiny import build_tiny_tokenizer
+
     f = tmp_path / "p.jsonl"
     msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "the answer"}]
     f.write_text(json.dumps({"messages": msgs}) + "\n\n" + json.dumps({"input_ids": [5, 6, 7]}) + "\n")
     tok = build_tiny_tokenizer()
     got = load_prompts(f, lambda: tok, 2048)
-    want = tok(tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True),
-               add_special_tokens=False)["input_ids"]
+    want = tok(
+        tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
     assert got == [(1, want), (3, [5, 6, 7])]
     assert len(load_prompts(f, lambda: tok, 2048, limit=1)) == 1
 
 
-@pytest.mark.parametrize("line,needle", [
-    ("not json", ":1: line: invalid JSON"),
-    ('{"text": "x"}', ":1: line: no messages or input_ids"),
-    ('{"input_ids": [1, "a"]}', ":1: input_ids: expected a non-empty list"),
-    ('{"input_ids": [1, 99999]}', ":1: input_ids: token id 99999 is outside"),
-    ('{"messages": [{"role": "user"}]}', ":1: messages[0]: expected"),
-    ('{"messages": [{"role": "assistant", "content": "x"}]}', ":1: messages: only assistant turns"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ("not json", ":1: line: invalid JSON"),
+        ('{"text": "x"}', ":1: line: no messages or input_ids"),
+        ('{"input_ids": [1, "a"]}', ":1: input_ids: expected a non-empty list"),
+        ('{"input_ids": [1, 99999]}', ":1: input_ids: token id 99999 is outside"),
+        ('{"messages": [{"role": "user"}]}', ":1: messages[0]: expected"),
+        ('{"messages": [{"role": "assistant", "content": "x"}]}', ":1: messages: only assistant turns"),
+    ],
+)
 def test_bad_prompt_lines(tmp_path, line, needle):
     from dflash_staged.model.tiny import build_tiny_tokenizer
+
     f = tmp_path / "bad.jsonl"
     f.write_text(line + "\n")
     with pytest.raises(DflashError, match=None) as e:
@@ -216,9 +243,25 @@ def checkpoint(tmp_path_factory, dense):
 def test_cli_json_plot_out(tmp_path, checkpoint):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": prompt(8, s).tolist()}) + "\n" for s in range(2)))
-    res = CliRunner().invoke(main, ["eval", "--drafter", str(checkpoint.parent.parent), "--target", "configs/tiny.toml",
-                                    "--prompts", str(prompts), "--max-new-tokens", "12", "--json",
-                                    "--plot", str(tmp_path / "e.png"), "--out", str(tmp_path / "e.json")])
+    res = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            "--drafter",
+            str(checkpoint.parent.parent),
+            "--target",
+            "configs/tiny.toml",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--plot",
+            str(tmp_path / "e.png"),
+            "--out",
+            str(tmp_path / "e.json"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout.strip().splitlines()[-1])
     assert r == json.loads((tmp_path / "e.json").read_text())
@@ -235,16 +278,19 @@ def test_cli_json_plot_out(tmp_path, checkpoint):
 def test_cli_errors_are_one_line(tmp_path, checkpoint):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [4, 5]}\n{"input_ids": []}\n')
-    r = CliRunner().invoke(main, ["eval", "--drafter", str(checkpoint), "--target", "tiny:qwen3",
-                                  "--prompts", str(bad)])
+    r = CliRunner().invoke(
+        main, ["eval", "--drafter", str(checkpoint), "--target", "tiny:qwen3", "--prompts", str(bad)]
+    )
     assert r.exit_code == 1 and r.output.count("\n") == 1
     assert r.output.startswith("error: ") and f"{bad}:2: input_ids" in r.output
-    r = CliRunner().invoke(main, ["eval", "--drafter", str(tmp_path), "--target", "tiny:qwen3", "--prompts", str(bad)])
+    r = CliRunner().invoke(
+        main, ["eval", "--drafter", str(tmp_path), "--target", "tiny:qwen3", "--prompts", str(bad)]
+    )
     assert r.exit_code == 1 and "neither a drafter checkpoint" in r.output
-    r = CliRunner().invoke(main, ["eval", "--drafter", str(checkpoint), "--target", "tiny:qwen3_5",
-                                  "--prompts", str(bad)])
+    r = CliRunner().invoke(
+        main, ["eval", "--drafter", str(checkpoint), "--target", "tiny:qwen3_5", "--prompts", str(bad)]
+    )
     assert r.exit_code == 1 and "has 8 layers" in r.output
-
 
 
 @pytest.mark.cuda
@@ -257,6 +303,7 @@ def test_cuda_bf16_speculative_decoding():
     assert speculative_generate(t, None, p, n).tokens == ref  # one-token steps: the very same computation
     out = speculative_generate(t, random_drafter(t).to("cuda", torch.bfloat16), p, n)
     assert len(out.tokens) == n and sum(out.accepted) == n - 1 and all(1 <= k <= B for k in out.accepted)
-    # bf16 block verification may round differently from one-token steps, so the oracle is not asked to be exact
+    # bf16 block verification may round differently from one-token steps, so the oracle is not asked to be
+    # exact
     oracle = Oracle(p.tolist() + ref, strict=False)
     assert acceptance_stats(speculative_generate(t, oracle, p, n).accepted, B)["tau"] >= B / 2

@@ -7,8 +7,9 @@ import time
 import torch
 
 from dflash_staged.manifest import Manifest
-from dflash_staged.store import ShardStore
 from dflash_staged.model.target import load_target
+from dflash_staged.store import ShardStore
+
 from helpers import dflash, plan, run_dflash
 
 
@@ -54,9 +55,9 @@ def test_extract_two_workers_end_to_end(tmp_path):
         for b, sid in enumerate(j.sample_ids):
             tok, _ = m.sample(sid)
             alone = target.capture(torch.from_numpy(tok.astype("int64"))[None])[0]
-            got = shard.hidden[cu[b]:cu[b + 1]]
+            got = shard.hidden[cu[b] : cu[b + 1]]
             assert torch.allclose(got.float(), alone.float(), atol=1e-5, rtol=1e-4)
-            assert shard.input_ids[cu[b]:cu[b + 1]].tolist() == tok.tolist()
+            assert shard.input_ids[cu[b] : cu[b + 1]].tolist() == tok.tolist()
     assert not [p for p in store.rglob("*") if ".tmp~" in p.name]
     # a rerun is a no-op
     r = run_dflash("extract", "--manifest", mdir, "--store", store, "--devices", "cpu", "--window", "4")
@@ -94,9 +95,12 @@ def test_kill9_worker_then_rerun(tmp_path):
 
 def test_window_too_small_for_trainer_is_an_error(tmp_path):
     mdir = plan(tmp_path, n=8)
-    r = run_dflash("extract", "--manifest", mdir, "--store", tmp_path / "s", "--devices", "cpu", "--window", "1")
+    r = run_dflash(
+        "extract", "--manifest", mdir, "--store", tmp_path / "s", "--devices", "cpu", "--window", "1"
+    )
     assert r.returncode == 1
     assert "buffer_capacity" in r.stderr and "Traceback" not in r.stderr
-    r = run_dflash("extract", "--manifest", mdir, "--store", tmp_path / "s", "--devices", "cpu,cpu",
-                   "--window", "16")
+    r = run_dflash(
+        "extract", "--manifest", mdir, "--store", tmp_path / "s", "--devices", "cpu,cpu", "--window", "16"
+    )
     assert "warning" not in r.stderr, r.stderr  # configs/tiny.toml passes with --window 16 and 2 workers

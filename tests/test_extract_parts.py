@@ -16,6 +16,7 @@ from dflash_staged.extract.worker import Lease, Publisher, batch_tensors, open_s
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.target import load_target, pack_unpadded
 from dflash_staged.store import StoreFullError
+
 from helpers import TINY, plan
 
 
@@ -32,8 +33,15 @@ def world(tmp_path, target):
     mdir = plan(tmp_path, n=12, extra="[data]\ntoken_budget = 512\n")
     m = Manifest.open(mdir)
     store = open_store_for(m, tmp_path / "store", target, m.config)
-    opts = ExtractOptions(manifest=mdir, store=store.root, devices=["cpu"], window=64, window_bytes=0,
-                          lease_s=0.6, max_attempts=3)
+    opts = ExtractOptions(
+        manifest=mdir,
+        store=store.root,
+        devices=["cpu"],
+        window=64,
+        window_bytes=0,
+        lease_s=0.6,
+        max_attempts=3,
+    )
     started: list[Lease] = []
 
     def lease(lease_s: float = 0.6, start: bool = True) -> Lease:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash_staged.launch.supervise import run_side_by_side
 from dflash_staged.cli import main
+from dflash_staged.launch.supervise import run_side_by_side
 from dflash_staged.store import bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,8 +69,24 @@ def flag(argv: list[str], name: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- dry runs
 def test_pipeline_dry_run_prints_plan_extract_train(tmp_path):
-    lines = dry("pipeline", "--config", "configs/tiny.toml", "--data", "d.jsonl", "--workdir", str(tmp_path / "w"),
-                "--devices", "cpu,cpu", "--epochs", "2", "--window", "9", "--", "--max-steps", "3")
+    lines = dry(
+        "pipeline",
+        "--config",
+        "configs/tiny.toml",
+        "--data",
+        "d.jsonl",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--devices",
+        "cpu,cpu",
+        "--epochs",
+        "2",
+        "--window",
+        "9",
+        "--",
+        "--max-steps",
+        "3",
+    )
     _, plan = proc_line(lines, "plan")
     assert plan[1:4] == ["-m", "dflash_staged", "plan"] and flag(plan, "--epochs") == "2"
     assert flag(plan, "--manifest") == str(tmp_path / "w" / "manifest")
@@ -87,8 +103,20 @@ def test_pipeline_dry_run_prints_plan_extract_train(tmp_path):
 
 
 def test_node_dry_run_splits_gpus_and_prints_bandwidth(tmp_path):
-    lines = dry("node", "--config", "configs/qwen3-8b.toml", "--data", "d.jsonl", "--workdir", str(tmp_path),
-                "--extract-gpus", "0,1,2,3", "--train-gpus", "4,5,6,7", "--keep-shards")
+    lines = dry(
+        "node",
+        "--config",
+        "configs/qwen3-8b.toml",
+        "--data",
+        "d.jsonl",
+        "--workdir",
+        str(tmp_path),
+        "--extract-gpus",
+        "0,1,2,3",
+        "--train-gpus",
+        "4,5,6,7",
+        "--keep-shards",
+    )
     env, ex = proc_line(lines, "extract")
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert flag(ex, "--devices") == "cuda:0,cuda:1,cuda:2,cuda:3" and flag(ex, "--train-ranks") == "4"
@@ -97,7 +125,8 @@ def test_node_dry_run_splits_gpus_and_prints_bandwidth(tmp_path):
     assert tr[1:4] == ["-m", "dflash_staged", "train"] and flag(tr, "--nproc") == "4"  # it runs torchrun
     assert "--keep-shards" in tr
     text = "\n".join(lines)
-    # Qwen3-8B: K=5 x H=4096 x 2 B + 5 = 40,965 B/token; 8000 tok/s x 4 GPUs -> 1.31 GB/s write, 2.62 GB/s total.
+    # Qwen3-8B: K=5 x H=4096 x 2 B + 5 = 40,965 B/token; 8000 tok/s x 4 GPUs -> 1.31 GB/s write, 2.62 GB/s
+    # total.
     assert bytes_per_token(5, 4096, 2) == 40_965 and "40,965 B" in text
     assert "1.31 GB/s written" in text and "2.62 GB/s (write + read)" in text
 
@@ -110,21 +139,36 @@ def test_node_gpu_ids_map_through_visible_devices_and_single_rank_skips_torchrun
     assert "--train-ranks" not in ex
     env, tr = proc_line(lines, "train")
     assert env["CUDA_VISIBLE_DEVICES"] == "7" and "torch.distributed.run" not in tr and "--nproc" not in tr
-    for bad, msg in ((["--extract-gpus", "0,1", "--train-gpus", "1,2"], "in both"),
-                     (["--extract-gpus", "0,x", "--train-gpus", "2"], "distinct GPU indices")):
+    for bad, msg in (
+        (["--extract-gpus", "0,1", "--train-gpus", "1,2"], "in both"),
+        (["--extract-gpus", "0,x", "--train-gpus", "2"], "distinct GPU indices"),
+    ):
         r = CliRunner().invoke(main, args + bad + ["--dry-run"], env={"CUDA_VISIBLE_DEVICES": None})
         assert r.exit_code == 1 and msg in r.output, r.output
-    r = CliRunner().invoke(main, args + ["--extract-gpus", "0", "--train-gpus", "4", "--dry-run"],
-                           env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    r = CliRunner().invoke(
+        main,
+        args + ["--extract-gpus", "0", "--train-gpus", "4", "--dry-run"],
+        env={"CUDA_VISIBLE_DEVICES": "2,3"},
+    )
     assert r.exit_code == 1 and "shows only 2 GPU(s)" in r.output
 
 
 def test_existing_manifest_is_reused_and_a_different_plan_refused(tmp_path):
-    from helpers import write_dataset
     from dflash_staged.plan.command import plan_manifest
+
+    from helpers import write_dataset
+
     data = write_dataset(tmp_path / "d.jsonl", n=8)
     plan_manifest("configs/tiny.toml", data, tmp_path / "w" / "manifest")
-    args = ["pipeline", "--config", "configs/tiny.toml", "--data", str(data), "--workdir", str(tmp_path / "w")]
+    args = [
+        "pipeline",
+        "--config",
+        "configs/tiny.toml",
+        "--data",
+        str(data),
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
     lines = dry(*args)
     assert any(x.startswith("[dry-run] plan: skipped") for x in lines)
     r = CliRunner().invoke(main, args + ["--epochs", "2", "--dry-run"])
@@ -133,12 +177,28 @@ def test_existing_manifest_is_reused_and_a_different_plan_refused(tmp_path):
 
 def test_new_data_for_an_existing_workdir_is_refused(tmp_path):
     # Regression: the launcher's own "same plan?" check ignored the data, so new data trained on the old plan.
-    from helpers import write_dataset
     from dflash_staged.plan.command import plan_manifest
-    old, new = write_dataset(tmp_path / "old.jsonl", n=8, seed=1), write_dataset(tmp_path / "new.jsonl", n=8, seed=2)
+
+    from helpers import write_dataset
+
+    old, new = (
+        write_dataset(tmp_path / "old.jsonl", n=8, seed=1),
+        write_dataset(tmp_path / "new.jsonl", n=8, seed=2),
+    )
     plan_manifest("configs/tiny.toml", old, tmp_path / "w" / "manifest")
-    r = CliRunner().invoke(main, ["pipeline", "--config", "configs/tiny.toml", "--data", str(new), "--workdir",
-                                  str(tmp_path / "w"), "--dry-run"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "pipeline",
+            "--config",
+            "configs/tiny.toml",
+            "--data",
+            str(new),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--dry-run",
+        ],
+    )
     assert r.exit_code == 1, r.output
     assert "data_hash" in r.output and "already holds this plan" not in r.output and "--workdir" in r.output
 
@@ -147,8 +207,9 @@ def test_new_data_for_an_existing_workdir_is_refused(tmp_path):
 def run(extract: str, train: str, **kw) -> tuple[int, str]:
     out = io.StringIO()
     kw.setdefault("extract_grace_s", 0.5)
-    code = run_side_by_side(None, child(extract), child(train), {"WHO": "x"}, {"WHO": "t"}, status_every=3600,
-                            out=out, **kw)
+    code = run_side_by_side(
+        None, child(extract), child(train), {"WHO": "x"}, {"WHO": "t"}, status_every=3600, out=out, **kw
+    )
     return code, out.getvalue()
 
 
@@ -190,12 +251,22 @@ class Launcher:
     """The supervisor in its own process (so we can signal it), with its output collected."""
 
     def __init__(self, extract: str, train: str):
-        code = ("import json, sys; from dflash_staged.launch.supervise import run_side_by_side; a = json.loads(sys.argv[1]); "
-                "sys.exit(run_side_by_side(None, a[0], a[1], status_every=3600))")
-        self.p = subprocess.Popen([sys.executable, "-c", code, json.dumps([child(extract), child(train)])], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        code = (
+            "import json, sys; from dflash_staged.launch.supervise import run_side_by_side; a = "
+            "json.loads(sys.argv[1]); "
+            "sys.exit(run_side_by_side(None, a[0], a[1], status_every=3600))"
+        )
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps([child(extract), child(train)])],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(iter(self.p.stdout.readline, "")), daemon=True).start()
+        threading.Thread(
+            target=lambda: self.lines.extend(iter(self.p.stdout.readline, "")), daemon=True
+        ).start()
 
     def wait_for(self, pred, timeout: float = 60.0):
         end = time.time() + timeout
@@ -259,12 +330,29 @@ def test_children_do_not_outlive_a_killed_launcher():
 @pytest.mark.slow
 def test_bin_pipeline_end_to_end_on_tiny_target(tmp_path):
     from helpers import env, write_dataset
+
     data = write_dataset(tmp_path / "d.jsonl", n=24)
     summary = tmp_path / "summary.json"
-    r = subprocess.run([str(ROOT / "bin" / "pipeline"), "--config", "configs/tiny.toml", "--data", str(data),
-                        "--workdir", str(tmp_path / "w"), "--summary-json", str(summary), "--status-every", "2"],
-                       cwd=ROOT, env={**env(), "DFLASH_USE_SYSTEM_TORCH": "1", "PYTHON": sys.executable},
-                       capture_output=True, text=True, timeout=600)  # this interpreter as is: no venv set-up
+    r = subprocess.run(
+        [
+            str(ROOT / "bin" / "pipeline"),
+            "--config",
+            "configs/tiny.toml",
+            "--data",
+            str(data),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--summary-json",
+            str(summary),
+            "--status-every",
+            "2",
+        ],
+        cwd=ROOT,
+        env={**env(), "DFLASH_USE_SYSTEM_TORCH": "1", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # this interpreter as is: no venv set-up
     assert r.returncode == 0, r.stdout + r.stderr
     s = json.loads(summary.read_text())
     assert s["jobs"]["released"] == s["total_jobs"] > 0 and s["tokens_trained"] == s["tokens_extracted"] > 0

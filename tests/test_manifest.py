@@ -18,8 +18,12 @@ def fake_inputs(n_batches=6, epochs=1, per_batch=2, seed=0):
     n = n_batches * per_batch
     lengths = np.full(n, 8)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    samples = SimpleNamespace(tokens=np.arange(offsets[-1], dtype=np.int32) % 100 + 4,
-                              loss_mask=np.ones(offsets[-1], np.uint8), offsets=offsets, stats={"samples": n})
+    samples = SimpleNamespace(
+        tokens=np.arange(offsets[-1], dtype=np.int32) % 100 + 4,
+        loss_mask=np.ones(offsets[-1], np.uint8),
+        offsets=offsets,
+        stats={"samples": n},
+    )
     batches = [(b % 2, list(range(b * per_batch, (b + 1) * per_batch))) for b in range(n_batches)]
 
     def jobs():
@@ -27,11 +31,20 @@ def fake_inputs(n_batches=6, epochs=1, per_batch=2, seed=0):
             order = np.random.default_rng([seed, e]).permutation(n_batches)
             for pos, bi in enumerate(order):
                 bucket, ids = batches[bi]
-                yield SimpleNamespace(epoch=e, pos=pos, bucket=bucket, sample_ids=ids, real_tokens=16,
-                                      padded_tokens=16)
+                yield SimpleNamespace(
+                    epoch=e, pos=pos, bucket=bucket, sample_ids=ids, real_tokens=16, padded_tokens=16
+                )
 
-    plan = SimpleNamespace(edges=[8, 16], epochs=epochs, seed=seed, batches=batches, jobs=jobs,
-                           padding_waste=0.0, tokens_real=n * 8, tokens_padded=n * 8)
+    plan = SimpleNamespace(
+        edges=[8, 16],
+        epochs=epochs,
+        seed=seed,
+        batches=batches,
+        jobs=jobs,
+        padding_waste=0.0,
+        tokens_real=n * 8,
+        tokens_padded=n * 8,
+    )
     return samples, plan
 
 
@@ -39,8 +52,9 @@ def make(at, name="m", **kw):
     """A manifest at ``at`` (a directory's parent, or a backend's address maker)."""
     samples, plan = fake_inputs(**kw)
     address = at(name) if callable(at) else at / name
-    return Manifest.create(address, config=Config(), samples=samples, plan=plan, data_path="d.jsonl",
-                           data_hash="h")
+    return Manifest.create(
+        address, config=Config(), samples=samples, plan=plan, data_path="d.jsonl", data_hash="h"
+    )
 
 
 @pytest.fixture
@@ -99,9 +113,13 @@ def test_lost_claim_cannot_publish(at, tmp_path):
 
 def test_dead_pid_is_reclaimed_at_once(at, tmp_path):
     m = make(at)
-    code = ("import sys; from dflash_staged.manifest import Manifest; m = Manifest.open(sys.argv[1]);"
-            "print(m.claim('dead', window=10, lease_s=3600).job.id, flush=True)")
-    out = subprocess.run([sys.executable, "-c", code, str(m.address)], capture_output=True, text=True, check=True)
+    code = (
+        "import sys; from dflash_staged.manifest import Manifest; m = Manifest.open(sys.argv[1]);"
+        "print(m.claim('dead', window=10, lease_s=3600).job.id, flush=True)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(m.address)], capture_output=True, text=True, check=True
+    )
     dead_job = int(out.stdout)
     assert m.counts()["claimed"] == 1
     r = m.claim("alive", window=10)
@@ -177,8 +195,10 @@ def test_requeue_and_resume_trainer(at, tmp_path):
 
 def test_second_trainer_refused(at, tmp_path):
     m = make(at)
-    code = ("import sys, time; from dflash_staged.manifest import Manifest; m = Manifest.open(sys.argv[1]);"
-            "m.register('train', group_id='A', exclusive=True); print('ok', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from dflash_staged.manifest import Manifest; m = Manifest.open(sys.argv[1]);"
+        "m.register('train', group_id='A', exclusive=True); print('ok', flush=True); time.sleep(60)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code, str(m.address)], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "ok"

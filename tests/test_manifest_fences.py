@@ -9,11 +9,10 @@ import threading
 
 import pytest
 import torch
-
-from dflash_staged.manifest import Manifest, ManifestError
-from dflash_staged.manifest import pg_procs
-from dflash_staged.store import ShardStore, StoreMeta
 from test_manifest import make
+
+from dflash_staged.manifest import Manifest, ManifestError, pg_procs
+from dflash_staged.store import ShardStore, StoreMeta
 
 
 @pytest.fixture
@@ -30,9 +29,15 @@ def written(m: Manifest, n: int, store: ShardStore | None = None) -> list[int]:
         commit = None
         if store is not None:
             hidden = torch.zeros(j.real_tokens, 1, 4)
-            staged = store.stage_shard(j.epoch, j.id, hidden, torch.arange(j.real_tokens),
-                                       torch.ones(j.real_tokens, dtype=torch.uint8),
-                                       [0, j.real_tokens], [j.sample_ids[0]])
+            staged = store.stage_shard(
+                j.epoch,
+                j.id,
+                hidden,
+                torch.arange(j.real_tokens),
+                torch.ones(j.real_tokens, dtype=torch.uint8),
+                [0, j.real_tokens],
+                [j.sample_ids[0]],
+            )
             commit = lambda staged=staged: store.commit_staged(staged)  # noqa: E731
         assert m.publish(j, 10, "c", commit=commit)
         ids.append(j.id)
@@ -130,6 +135,7 @@ def test_a_new_trainer_waits_for_the_replaced_ones_open_transaction(tmp_path, pg
         real(cur)
         inside.set()
         assert go.wait(30)
+
     monkeypatch.setattr(a._procs, "check_fence", check_then_wait)
     ta = threading.Thread(target=lambda: a.consume(ids[:2], step=1, rank_of={ids[0]: 0, ids[1]: 0}))
     ta.start()
@@ -144,6 +150,7 @@ def test_a_new_trainer_waits_for_the_replaced_ones_open_transaction(tmp_path, pg
         b.register("train", group_id="B", rank=0, exclusive=True)
         registered.set()
         got["release"] = b.resume_trainer({})  # B's checkpoint covers nothing
+
     tb = threading.Thread(target=trainer_b)
     tb.start()
     try:
@@ -164,8 +171,12 @@ def test_a_new_trainer_waits_for_the_replaced_ones_open_transaction(tmp_path, pg
 def test_cleanup_deletes_shards_of_jobs_that_should_have_none(at, tmp_path):
     """Regression: a shard renamed into place after its job was released (or requeued) stayed for good."""
     m = make(at)
-    store = ShardStore.create_or_open(tmp_path / "store", StoreMeta(
-        manifest_id=m.manifest_id, target_id="t", layer_ids=[1], hidden_size=4, logical_dtype="float32"))
+    store = ShardStore.create_or_open(
+        tmp_path / "store",
+        StoreMeta(
+            manifest_id=m.manifest_id, target_id="t", layer_ids=[1], hidden_size=4, logical_dtype="float32"
+        ),
+    )
     ids = written(m, 4, store)
     jobs = {i: m.job(i) for i in ids}
     m.consume(ids[:2], step=1)
@@ -178,6 +189,7 @@ def test_cleanup_deletes_shards_of_jobs_that_should_have_none(at, tmp_path):
     assert m.give_back(pending)  # pending now
     assert store.cleanup_temp(unwanted=m.shard_unwanted) == 1
     assert sorted(store.iter_shards()) == sorted((jobs[i].epoch, i) for i in (ids[1], ids[3]))
-    assert [p.name for p in (store.root / "shards" / f"e{jobs[ids[0]].epoch}").iterdir()
-            if p.name.startswith(".")] == []  # deleted through delete_shard, nothing left behind
+    assert [
+        p.name for p in (store.root / "shards" / f"e{jobs[ids[0]].epoch}").iterdir() if p.name.startswith(".")
+    ] == []  # deleted through delete_shard, nothing left behind
     m.close()

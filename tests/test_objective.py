@@ -6,9 +6,16 @@ from dflash_staged.config import TrainConfig
 from dflash_staged.model.drafter import DFlashDrafter
 from dflash_staged.train.distributed import Dist
 from dflash_staged.train.loop import forward_backward
-from dflash_staged.train.trained_drafter import DrafterModel
-from dflash_staged.train.objective import block_acceptance, block_labels, dflash_loss, sample_anchors, training_tau
+from dflash_staged.train.objective import (
+    block_acceptance,
+    block_labels,
+    dflash_loss,
+    sample_anchors,
+    training_tau,
+)
 from dflash_staged.train.optim import Optimizer
+from dflash_staged.train.trained_drafter import DrafterModel
+
 from helpers import make_drafter, one_by_one, packed_batch
 
 
@@ -16,7 +23,9 @@ def test_candidates_reach_the_end_and_skip_unsupervised_next_tokens():
     # sequence 0: positions 0..9; sequence 1: positions 10..14 (its first token supervised)
     lm = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1])
     cu = torch.tensor([0, 10, 15])
-    anchors = sample_anchors(lm, cu, block_size=8, num_anchors=100, generator=torch.Generator().manual_seed(0))
+    anchors = sample_anchors(
+        lm, cu, block_size=8, num_anchors=100, generator=torch.Generator().manual_seed(0)
+    )
     # 3: next token unsupervised; 9: last of its sequence (the next supervised token is another
     # sequence's); 11: next unsupervised; 14: last. 5..8 and 13 are anchors although a block of 8 runs
     # past the end: the old rule (a whole block inside) allowed none of sequence 0's after 2.
@@ -27,8 +36,12 @@ def test_candidates_reach_the_end_and_skip_unsupervised_next_tokens():
 
 
 def test_per_block_tau_from_hand_built_hits():
-    hits = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
-    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    hits = torch.tensor(
+        [[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool
+    )
+    valid = torch.tensor(
+        [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.bool
+    )
     accepted, blocks = block_acceptance(hits, valid)
     # rows: 2 (a miss at 3 ends the run), 0, 2 (labels past the end do not count), 3 (an unsupervised
     # label neither breaks the run nor counts), and the last row has no label: not a block
@@ -36,7 +49,7 @@ def test_per_block_tau_from_hand_built_hits():
     assert training_tau(accepted, blocks) == 1 + 7 / 4
     # per-offset accuracies multiplied out (what training tau used to be) misstate it here
     acc = [(hits & valid)[:, k].sum().item() / max(1, valid[:, k].sum().item()) for k in range(4)]
-    implied = 1 + sum(torch.tensor(acc[:k + 1]).prod().item() for k in range(4))
+    implied = 1 + sum(torch.tensor(acc[: k + 1]).prod().item() for k in range(4))
     assert abs(implied - training_tau(accepted, blocks)) > 0.1
 
 
@@ -82,8 +95,14 @@ def _split(b, cut):
     out = []
     for s, e in ((0, cut), (cut, cu.numel() - 1)):
         a, z = int(cu[s]), int(cu[e])
-        out.append({"hidden": b["hidden"][a:z], "input_ids": b["input_ids"][a:z], "loss_mask": b["loss_mask"][a:z],
-                    "cu_seqlens": cu[s:e + 1] - a})
+        out.append(
+            {
+                "hidden": b["hidden"][a:z],
+                "input_ids": b["input_ids"][a:z],
+                "loss_mask": b["loss_mask"][a:z],
+                "cu_seqlens": cu[s : e + 1] - a,
+            }
+        )
     return out
 
 

@@ -8,8 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_staged.config import DataConfig
-from dflash_staged.plan.batching import (PlanError, bucket_edges, epoch_order, make_batches, make_plan,
-                                random_batches_waste)
+from dflash_staged.plan.batching import (
+    PlanError,
+    bucket_edges,
+    epoch_order,
+    make_batches,
+    make_plan,
+    random_batches_waste,
+)
+
 from helpers import cfg_for
 
 # cfg_for's base here
@@ -17,8 +24,10 @@ PLAN = dict(data__max_len=256, data__token_budget=1024, data__bucket_edges=[], d
 
 
 lengths_st = st.lists(st.integers(1, 256), min_size=1, max_size=300).map(np.asarray)
-edges_st = st.one_of(st.just(()), st.lists(st.integers(1, 300), min_size=1, max_size=6, unique=True)
-                     .map(lambda e: tuple(sorted(e))))
+edges_st = st.one_of(
+    st.just(()),
+    st.lists(st.integers(1, 300), min_size=1, max_size=6, unique=True).map(lambda e: tuple(sorted(e))),
+)
 
 
 def bucket_of(length, edges):
@@ -26,11 +35,21 @@ def bucket_of(length, edges):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=lengths_st, budget=st.integers(256, 4096), edges=edges_st, nb=st.integers(1, 8),
-       epochs=st.integers(1, 3), seed=st.integers(0, 2**32))
+@given(
+    lengths=lengths_st,
+    budget=st.integers(256, 4096),
+    edges=edges_st,
+    nb=st.integers(1, 8),
+    epochs=st.integers(1, 3),
+    seed=st.integers(0, 2**32),
+)
 def test_plan_properties(lengths, budget, edges, nb, epochs, seed):
-    plan = make_plan(lengths, cfg_for(PLAN, data__token_budget=budget, data__bucket_edges=list(edges),
-                                       data__num_buckets=nb), epochs, seed)
+    plan = make_plan(
+        lengths,
+        cfg_for(PLAN, data__token_budget=budget, data__bucket_edges=list(edges), data__num_buckets=nb),
+        epochs,
+        seed,
+    )
     jobs = list(plan.jobs())
     assert len(jobs) == epochs * len(plan.batches) == plan.num_jobs
     for e in range(epochs):

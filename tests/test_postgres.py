@@ -13,6 +13,7 @@ import pytest
 
 from dflash_staged.manifest import Manifest, ManifestError
 from dflash_staged.manifest.pg_conn import DRIVER
+
 from helpers import ROOT, cli, env, plan, write_config, write_dataset
 from pgcluster import free_port
 
@@ -72,8 +73,20 @@ def test_same_jobs_and_status_as_sqlite(tmp_path, pg):
     assert jobs[0] == jobs[1]
     st = [json.loads(cli("status", "--manifest", m, "--json")[1]) for m in (lite, url)]
     assert set(st[0]) == set(st[1])
-    for k in ("jobs", "total_jobs", "epochs", "window", "tokens", "tokens_by_state", "groups", "samples", "layer_ids",
-              "padding_waste", "hosts", "processes"):
+    for k in (
+        "jobs",
+        "total_jobs",
+        "epochs",
+        "window",
+        "tokens",
+        "tokens_by_state",
+        "groups",
+        "samples",
+        "layer_ids",
+        "padding_waste",
+        "hosts",
+        "processes",
+    ):
         assert st[0][k] == st[1][k], k
     with Manifest.open(lite, readonly=True) as a, Manifest.open(url, readonly=True) as b:
         for i in (0, 7, 23):
@@ -81,8 +94,20 @@ def test_same_jobs_and_status_as_sqlite(tmp_path, pg):
         assert (a.sample_lengths() == b.sample_lengths()).all()
 
 
-@pytest.mark.parametrize("case", ["credentials", "no_database", "no_privilege", "not_planned", "other_plan",
-                                  "not_a_manifest", "no_name", "bad_name", "unknown_scheme"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "credentials",
+        "no_database",
+        "no_privilege",
+        "not_planned",
+        "other_plan",
+        "not_a_manifest",
+        "no_name",
+        "bad_name",
+        "unknown_scheme",
+    ],
+)
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, pg, case):
     before = schemas(pg)
     name = f"bad_{case}_{os.getpid()}"
@@ -126,9 +151,13 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, pg, case):
 
 
 def test_missing_driver_names_the_extra(tmp_path, pg):
-    code = (f"import sys; sys.modules[{DRIVER!r}] = None; from dflash_staged.cli import main; "
-            "main(['status', '--manifest', sys.argv[1]])")
-    r = subprocess.run([sys.executable, "-c", code, pg.url()], cwd=ROOT, env=env(), capture_output=True, text=True)
+    code = (
+        f"import sys; sys.modules[{DRIVER!r}] = None; from dflash_staged.cli import main; "
+        "main(['status', '--manifest', sys.argv[1]])"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, pg.url()], cwd=ROOT, env=env(), capture_output=True, text=True
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "pip install 'dflash-staged[postgres]'" in r.stdout + r.stderr
 
@@ -150,8 +179,13 @@ def test_claims_of_another_boot_or_host(tmp_path, pg):
     url = plan(tmp_path, extra=EXTRA, manifest=pg.url())
     m = Manifest.open(url)
     # another boot of this host: provably gone even though the pid is alive right now
-    p = subprocess.Popen([sys.executable, "-c", HOLD, url, "0000-old-boot", "60"], cwd=ROOT, env=env(),
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", HOLD, url, "0000-old-boot", "60"],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         held = int(p.stdout.readline())
         assert m.claim("me", window=99).job.id == held
@@ -159,8 +193,23 @@ def test_claims_of_another_boot_or_host(tmp_path, pg):
         p.kill()
         p.wait()
     # another host (its own UTS namespace): not provably gone, so it waits for its lease
-    r = subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname other-host && exec "$0" "$@"', sys.executable,
-                        "-c", HOLD, url], cwd=ROOT, env=env(), capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname other-host && exec "$0" "$@"',
+            sys.executable,
+            "-c",
+            HOLD,
+            url,
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0 and "unshare" in r.stderr:
         pytest.skip(f"unshare --uts: {r.stderr.strip()}")
     other = int(r.stdout)
@@ -207,8 +256,11 @@ def test_lost_connection_is_retried_then_stops_naming_the_server(tmp_path, pg, m
     pg.stop()
     try:
         t0 = time.monotonic()
-        with pytest.raises(ManifestError, match=rf"lost the connection to PostgreSQL server 127.0.0.1:{pg.port} .* "
-                                                r"could not reconnect for 2 s"):
+        with pytest.raises(
+            ManifestError,
+            match=rf"lost the connection to PostgreSQL server 127.0.0.1:{pg.port} .* "
+            r"could not reconnect for 2 s",
+        ):
             m.counts()
         assert time.monotonic() - t0 < 20
         with pytest.raises(ManifestError, match="lost the connection"):  # the handle refuses at once now
@@ -220,9 +272,19 @@ def test_lost_connection_is_retried_then_stops_naming_the_server(tmp_path, pg, m
 
 def test_launchers_take_a_manifest_address(tmp_path, pg):
     from test_launch import dry, flag, proc_line
+
     url = pg.url()
-    lines = dry("pipeline", "--config", "configs/tiny.toml", "--data", "d.jsonl", "--workdir", str(tmp_path / "w"),
-                "--manifest", url)
+    lines = dry(
+        "pipeline",
+        "--config",
+        "configs/tiny.toml",
+        "--data",
+        "d.jsonl",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--manifest",
+        url,
+    )
     for name in ("plan", "extract", "train"):
         assert flag(proc_line(lines, name)[1], "--manifest") == url
     assert flag(proc_line(lines, "extract")[1], "--store") == str(tmp_path / "w" / "store")

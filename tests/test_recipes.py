@@ -7,22 +7,73 @@ from pathlib import Path
 import pytest
 
 from dflash_staged.config import dflash_target_layers, load_config
-from dflash_staged.model.config_json import DraftModelConfig
 from dflash_staged.launch.disk import disk_requirements
+from dflash_staged.model.config_json import DraftModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # recipe -> (target layers, hidden, vocab, expected drafter geometry, mask id, hidden bytes per token)
 RECIPES = {
-    "qwen3-8b.toml": (36, 4096, 151936, dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
-                                             head_dim=128, intermediate_size=12288, rope_theta=1e6), 151669, 40_960),
-    "qwen3.5-27b.toml": (64, 5120, 248320, dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
-                                                head_dim=128, intermediate_size=17408, rope_theta=1e7), 248070, 51_200),
-    "qwen3.6-35b-a3b.toml": (40, 2048, 248320, dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
-                                                    head_dim=128, intermediate_size=6144, rope_theta=1e7), 248070, 20_480),
-    "qwen3.5-122b-a10b.toml": (48, 3072, 248320, dict(num_hidden_layers=5, num_attention_heads=32,
-                                                      num_key_value_heads=8, head_dim=128, intermediate_size=9216,
-                                                      rope_theta=1e7), 248070, 30_720),
+    "qwen3-8b.toml": (
+        36,
+        4096,
+        151936,
+        dict(
+            num_hidden_layers=5,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=12288,
+            rope_theta=1e6,
+        ),
+        151669,
+        40_960,
+    ),
+    "qwen3.5-27b.toml": (
+        64,
+        5120,
+        248320,
+        dict(
+            num_hidden_layers=5,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=17408,
+            rope_theta=1e7,
+        ),
+        248070,
+        51_200,
+    ),
+    "qwen3.6-35b-a3b.toml": (
+        40,
+        2048,
+        248320,
+        dict(
+            num_hidden_layers=5,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=6144,
+            rope_theta=1e7,
+        ),
+        248070,
+        20_480,
+    ),
+    "qwen3.5-122b-a10b.toml": (
+        48,
+        3072,
+        248320,
+        dict(
+            num_hidden_layers=5,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=9216,
+            rope_theta=1e7,
+        ),
+        248070,
+        30_720,
+    ),
 }
 
 
@@ -41,16 +92,21 @@ def test_recipe_loads_and_builds_the_drafter_config(name):
     d = DraftModelConfig.from_config(cfg, hidden, vocab, layers, ids, mask_id)
     assert {k: getattr(d, k) for k in geometry} == geometry
     assert len(d.target_layer_ids) * hidden * 2 == hidden_bytes
-    assert d.to_dict()["dflash_config"] == {"block_size": 16, "mask_token_id": mask_id, "target_layer_ids": ids}
+    assert d.to_dict()["dflash_config"] == {
+        "block_size": 16,
+        "mask_token_id": mask_id,
+        "target_layer_ids": ids,
+    }
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_window_fits_its_trainer_and_disk_numbers(name):
     from dflash_staged.manifest.window import window_check
+
     cfg = load_config(ROOT / "configs" / name)
     err, warn = window_check(cfg, cfg.extract.window, workers=4, ranks=4)  # the 4 + 4 GPU layout of the docs
     assert err is None and warn is None
-    layers, hidden, *_ , hidden_bytes = RECIPES[name]
+    layers, hidden, *_, hidden_bytes = RECIPES[name]
     d, lines = disk_requirements(ROOT / "configs" / name, 4, 8000, None, None, None)
     assert d["hidden"] == hidden and d["bytes_per_token"] == hidden_bytes + 5
     assert d["store_Bps"] == pytest.approx(2 * 8000 * 4 * (hidden_bytes + 5))
@@ -64,6 +120,7 @@ def _local_model(model: str) -> str | None:
         return model
     try:
         from huggingface_hub import try_to_load_from_cache
+
         hit = try_to_load_from_cache(model, "tokenizer_config.json")
     except Exception:  # noqa: BLE001
         return None
@@ -77,7 +134,9 @@ def test_recipe_mask_token_against_the_tokenizer(name):
     if local is None:
         pytest.skip(f"{cfg.target.model} is not on local disk")
     from transformers import AutoTokenizer
+
     from dflash_staged.model.weights import validate_mask_token
+
     tok = AutoTokenizer.from_pretrained(local)
     vocab = RECIPES[name][2]
     assert validate_mask_token(cfg.drafter.mask_token_id, tok, vocab) == cfg.drafter.mask_token_id
@@ -87,25 +146,54 @@ def test_recipe_mask_token_against_the_tokenizer(name):
 # The MoE recipes' targets, from their public configs (nothing is downloaded): the text config of
 # Qwen3.5/3.6 MoE, and the --tp each recipe's comment gives (with the one the preflight must refuse).
 PUBLIC_MOE = {
-    "qwen3.6-35b-a3b.toml": (dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-                                  head_dim=256, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                                  shared_expert_intermediate_size=512, linear_num_key_heads=16,
-                                  linear_num_value_heads=32), 2, 4),
-    "qwen3.5-122b-a10b.toml": (dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32,
-                                    num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
-                                    moe_intermediate_size=1024, shared_expert_intermediate_size=1024), 2, 4),
+    "qwen3.6-35b-a3b.toml": (
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+        ),
+        2,
+        4,
+    ),
+    "qwen3.5-122b-a10b.toml": (
+        dict(
+            hidden_size=3072,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            head_dim=256,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024,
+        ),
+        2,
+        4,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_MOE))
 def test_moe_recipe_taps_and_tp_against_the_public_geometry(name):
     from transformers import Qwen3_5MoeTextConfig
-    from dflash_staged.model.parallel import check_tp
+
     from dflash_staged.errors import DflashError
+    from dflash_staged.model.parallel import check_tp
+
     geometry, tp, too_many = PUBLIC_MOE[name]
     text = Qwen3_5MoeTextConfig(vocab_size=248320, **geometry)
     cfg = load_config(ROOT / "configs" / name)
-    assert cfg.target.target_layer_ids == dflash_target_layers(text.num_hidden_layers, cfg.drafter.num_hidden_layers)
+    assert cfg.target.target_layer_ids == dflash_target_layers(
+        text.num_hidden_layers, cfg.drafter.num_hidden_layers
+    )
     assert text.layer_types.count("full_attention") == text.num_hidden_layers // 4  # 3 DeltaNet : 1 attention
     assert f"--tp {tp}" in (ROOT / "configs" / name).read_text()
     check_tp(text, tp)

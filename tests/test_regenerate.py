@@ -15,8 +15,12 @@ from helpers import ROOT, cli, env, write_config
 
 CONVS = [
     [{"role": "user", "content": "hello world"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the capital of france"},
-     {"role": "assistant", "content": "paris"}, {"role": "user", "content": "why"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what is the capital of france"},
+        {"role": "assistant", "content": "paris"},
+        {"role": "user", "content": "why"},
+    ],
     [{"role": "user", "content": "write code"}, {"role": "assistant", "content": "an old answer"}],
 ]
 
@@ -40,12 +44,23 @@ def lines(path):
 
 def test_sharegpt_conversations_are_answered_as_messages(tmp_path):
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
-    prompts.write_text(json.dumps({"system": "be brief", "conversations": [{"from": "human", "value": "hi"},
-                                                                           {"from": "gpt", "value": "old"}]}) + "\n")
+    prompts.write_text(
+        json.dumps(
+            {
+                "system": "be brief",
+                "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"}],
+            }
+        )
+        + "\n"
+    )
     code, text = regen("--prompts", prompts, "--out", out)
     assert code == 0, text
     (rec,) = lines(out)
-    assert [m["role"] for m in rec["messages"]] == ["system", "user", "assistant"] and "old" not in out.read_text()
+    assert [m["role"] for m in rec["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+    ] and "old" not in out.read_text()
 
 
 def test_answers_every_user_turn_and_the_output_plans(tmp_path):
@@ -56,7 +71,11 @@ def test_answers_every_user_turn_and_the_output_plans(tmp_path):
     recs = lines(out)
     assert [r["regenerated"]["line"] for r in recs] == [1, 2, 3] and [r["id"] for r in recs] == [0, 1, 2]
     roles = [[m["role"] for m in r["messages"]] for r in recs]
-    assert roles == [["user", "assistant"], ["system", "user", "assistant", "user", "assistant"], ["user", "assistant"]]
+    assert roles == [
+        ["user", "assistant"],
+        ["system", "user", "assistant", "user", "assistant"],
+        ["user", "assistant"],
+    ]
     assert "an old answer" not in out.read_text() and recs[1]["messages"][0]["content"] == "be brief"
     assert all(len(r["regenerated"]["stop"]) == len(r["regenerated"]["new_tokens"]) for r in recs)
     assert not (tmp_path / "out.jsonl.parts").exists()
@@ -71,20 +90,31 @@ def test_sampling_is_seeded(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl")
     outs = []
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
-        code, text = regen("--prompts", prompts, "--out", tmp_path / name, "--temperature", 0.9, "--seed", seed)
+        code, text = regen(
+            "--prompts", prompts, "--out", tmp_path / name, "--temperature", 0.9, "--seed", seed
+        )
         assert code == 0, text
         outs.append([r["messages"] for r in lines(tmp_path / name)])
     assert outs[0] == outs[1] and outs[0] != outs[2]
 
 
-@pytest.mark.parametrize("line,field", [
-    ('{"messages": [{"role": "wizard", "content": "x"}]}', "field messages[0].role: unknown role 'wizard'"),
-    ('{"messages": [{"role": "system", "content": "x"}]}', "field messages: no user turn"),
-    ('{"messages": [{"role": "user"}]}', "field messages[0].content: missing field"),
-    ('{"conversations": [{"from": "robot", "value": "x"}]}', "field conversations[0].from: unknown role 'robot'"),
-    ('{"prompt": "x"}', "field messages: missing field"),
-    ('{"messages": [', "field (line): malformed JSON"),
-])
+@pytest.mark.parametrize(
+    "line,field",
+    [
+        (
+            '{"messages": [{"role": "wizard", "content": "x"}]}',
+            "field messages[0].role: unknown role 'wizard'",
+        ),
+        ('{"messages": [{"role": "system", "content": "x"}]}', "field messages: no user turn"),
+        ('{"messages": [{"role": "user"}]}', "field messages[0].content: missing field"),
+        (
+            '{"conversations": [{"from": "robot", "value": "x"}]}',
+            "field conversations[0].from: unknown role 'robot'",
+        ),
+        ('{"prompt": "x"}', "field messages: missing field"),
+        ('{"messages": [', "field (line): malformed JSON"),
+    ],
+)
 def test_bad_lines_are_refused_before_anything_runs(tmp_path, line, field):
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     with open(prompts, "a") as f:
@@ -97,14 +127,28 @@ def test_bad_lines_are_refused_before_anything_runs(tmp_path, line, field):
 
 
 def test_kill9_midway_then_rerun_gives_each_answer_once_and_the_same_text(tmp_path):
-    prompts, ref, out = write_prompts(tmp_path / "p.jsonl", 24), tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    prompts, ref, out = (
+        write_prompts(tmp_path / "p.jsonl", 24),
+        tmp_path / "ref.jsonl",
+        tmp_path / "out.jsonl",
+    )
     args = ["--prompts", prompts, "--batch-size", 2, "--max-new-tokens", 6]
     code, text = regen(*args, "--out", ref)
     assert code == 0, text
-    cmd = [sys.executable, "-m", "dflash_staged", "regenerate", "--target", "tiny:qwen3", *map(str, args),
-           "--out", str(out)]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_staged",
+        "regenerate",
+        "--target",
+        "tiny:qwen3",
+        *map(str, args),
+        "--out",
+        str(out),
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     parts = tmp_path / "out.jsonl.parts"
     t0 = time.time()
     while time.time() - t0 < 120 and p.poll() is None:
@@ -127,16 +171,23 @@ def test_kill9_midway_then_rerun_gives_each_answer_once_and_the_same_text(tmp_pa
 
 def test_chat_template_and_its_options_shape_the_prompt(tmp_path):
     tpl = tmp_path / "t.jinja"
-    tpl.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if shout %}{{ m['content'] | upper }}"
-                   "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
-                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tpl.write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if shout %}{{ m['content'] | upper }}"
+        "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     prompts = write_prompts(tmp_path / "p.jsonl")
     answers = []
-    for name, extra in (("a", []), ("b", ["--chat-template-kwargs", '{"shout": false}']),
-                        ("c", ["--chat-template-kwargs", '{"shout": true}'])):
+    for name, extra in (
+        ("a", []),
+        ("b", ["--chat-template-kwargs", '{"shout": false}']),
+        ("c", ["--chat-template-kwargs", '{"shout": true}']),
+    ):
         code, text = regen("--prompts", prompts, "--out", tmp_path / name, "--chat-template", tpl, *extra)
         assert code == 0, text
         answers.append([r["messages"][-1]["content"] for r in lines(tmp_path / name)])
     assert answers[0] == answers[1] != answers[2]
-    code, text = regen("--prompts", prompts, "--out", tmp_path / "d", "--chat-template-kwargs", '{"tokenize": true}')
+    code, text = regen(
+        "--prompts", prompts, "--out", tmp_path / "d", "--chat-template-kwargs", '{"tokenize": true}'
+    )
     assert code == 1 and "dflash sets 'tokenize' itself" in text

@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +20,19 @@ import zarr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_staged.store import shardfiles
 from dflash_staged.errors import DflashError
-from dflash_staged.store import (ShardCorruptError, ShardMissingError, ShardStore, ShardTruncatedError,
-                                 StoreFullError, StoreMeta, StoreMismatchError, StoreMissingError)
 from dflash_staged.extract.writer import ShardWriter
+from dflash_staged.store import (
+    ShardCorruptError,
+    ShardMissingError,
+    ShardStore,
+    ShardTruncatedError,
+    StoreFullError,
+    StoreMeta,
+    StoreMismatchError,
+    StoreMissingError,
+    shardfiles,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -32,8 +40,9 @@ BITS_DT = {"bfloat16": torch.int16, "float16": torch.int16, "float32": torch.int
 
 
 def meta(**kw) -> StoreMeta:
-    base = dict(manifest_id="m1", target_id="tiny:qwen3", layer_ids=[1, 3], hidden_size=16,
-                logical_dtype="bfloat16")
+    base = dict(
+        manifest_id="m1", target_id="tiny:qwen3", layer_ids=[1, 3], hidden_size=16, logical_dtype="bfloat16"
+    )
     base.update(kw)
     return StoreMeta(**base)
 
@@ -68,20 +77,31 @@ def store(tmp_path):
 
 
 def write(store, epoch=0, job=7, lengths=(3, 5, 1), seed=0):
-    data = batch(list(lengths), len(store.meta.layer_ids), store.meta.hidden_size, store.meta.logical_dtype, seed)
+    data = batch(
+        list(lengths), len(store.meta.layer_ids), store.meta.hidden_size, store.meta.logical_dtype, seed
+    )
     return store.write_shard(epoch, job, *data), data
 
 
 # ------------------------------------------------------------------------------- round trips
 
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lengths=st.lists(st.integers(0, 40), min_size=0, max_size=6), k=st.integers(1, 5),
-       h=st.integers(1, 48), dtype=st.sampled_from(sorted(TORCH_DT)), comp=st.sampled_from(["none", "zstd"]),
-       seed=st.integers(0, 2**16), job=st.integers(0, 10**9))
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=0, max_size=6),
+    k=st.integers(1, 5),
+    h=st.integers(1, 48),
+    dtype=st.sampled_from(sorted(TORCH_DT)),
+    comp=st.sampled_from(["none", "zstd"]),
+    seed=st.integers(0, 2**16),
+    job=st.integers(0, 10**9),
+)
 def test_round_trip(lengths, k, h, dtype, comp, seed, job):
     with tempfile.TemporaryDirectory() as d:
-        s = ShardStore.create_or_open(Path(d) / "s", meta(layer_ids=list(range(k)), hidden_size=h,
-                                                           logical_dtype=dtype, compression=comp))
+        s = ShardStore.create_or_open(
+            Path(d) / "s",
+            meta(layer_ids=list(range(k)), hidden_size=h, logical_dtype=dtype, compression=comp),
+        )
         data = batch(lengths, k, h, dtype, seed)
         info = s.write_shard(3, job, *data)
         shard = s.read_shard(3, job, expected_checksum=info.checksum)
@@ -146,6 +166,7 @@ def test_rejects_bad_input(store):
 
 
 # ------------------------------------------------------------------------------- plain zarr
+
 
 @pytest.mark.parametrize("comp", ["none", "zstd"])
 def test_plain_zarr_reads_the_store(tmp_path, comp):
@@ -223,6 +244,7 @@ def test_store_creation_is_atomic(tmp_path, monkeypatch):
 
     def fail(fd, data):
         raise OSError(errno.EIO, "injected")
+
     monkeypatch.setattr(shardfiles, "_os_write", fail)
     with pytest.raises(OSError):
         ShardStore.create_or_open(root, meta())
@@ -235,6 +257,7 @@ def test_store_creation_is_atomic(tmp_path, monkeypatch):
             stores.append(ShardStore.create_or_open(root, meta()))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
+
     threads = [threading.Thread(target=create) for _ in range(4)]
     for t in threads:
         t.start()
@@ -255,6 +278,7 @@ def test_create_into_empty_dir_and_refuse_nonempty(tmp_path):
 
 
 # ------------------------------------------------------------------------------- corruption
+
 
 def chunk(store, job, name="hidden"):
     attrs = store.read_attrs(0, job)
@@ -296,6 +320,7 @@ def test_truncated_file_is_detected(store, verify):
 
 def test_deleted_dir_and_damaged_metadata(store):
     import shutil
+
     write(store, job=1)
     write(store, job=2)
     shutil.rmtree(store.shard_path(0, 1))
@@ -314,14 +339,29 @@ def test_replaced_shard_is_refused(store):
 
 
 def test_shard_errors_are_user_errors():
-    for cls in (ShardCorruptError, ShardMissingError, ShardTruncatedError, StoreMismatchError, StoreFullError):
+    for cls in (
+        ShardCorruptError,
+        ShardMissingError,
+        ShardTruncatedError,
+        StoreMismatchError,
+        StoreFullError,
+    ):
         assert issubclass(cls, DflashError)
 
 
 # ------------------------------------------------------------------------------- mismatch
 
-@pytest.mark.parametrize("field,value", [("manifest_id", "other"), ("target_id", "tiny:qwen3_5"),
-                                         ("layer_ids", [1, 2]), ("hidden_size", 32), ("logical_dtype", "float32")])
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("manifest_id", "other"),
+        ("target_id", "tiny:qwen3_5"),
+        ("layer_ids", [1, 2]),
+        ("hidden_size", 32),
+        ("logical_dtype", "float32"),
+    ],
+)
 def test_mismatch_is_refused(store, field, value):
     with pytest.raises(StoreMismatchError, match=field):
         ShardStore.create_or_open(store.root, meta(**{field: value}))
@@ -346,6 +386,7 @@ def test_missing_and_foreign_store(tmp_path):
 
 # ------------------------------------------------------------------------------- ENOSPC
 
+
 def test_enospc_cleans_up_and_names_the_store(store, monkeypatch):
     old, old_data = write(store, job=3, seed=1)
     real = shardfiles._os_write
@@ -354,6 +395,7 @@ def test_enospc_cleans_up_and_names_the_store(store, monkeypatch):
         if len(data) > 1000:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data)
+
     monkeypatch.setattr(shardfiles, "_os_write", full)
     with pytest.raises(StoreFullError) as ei:
         write(store, job=3, lengths=(40, 40), seed=2)
@@ -364,6 +406,7 @@ def test_enospc_cleans_up_and_names_the_store(store, monkeypatch):
 
 
 # ------------------------------------------------------------------------------- background writer
+
 
 def test_writer_writes_in_background_and_reports(store):
     results = {}

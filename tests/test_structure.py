@@ -11,11 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "dflash_staged"
 MANIFEST = PKG / "manifest"
 # SQL keywords as they appear in statements; and the raw connection or transaction of a manifest.
-SQL = re.compile(r"\b(SELECT\s+[\w*(]|UPDATE\s+\w+\s+SET|INSERT\s+(OR\s+\w+\s+)?INTO|DELETE\s+FROM|CREATE\s+TABLE|"
-                 r"BEGIN\s+IMMEDIATE)", re.IGNORECASE)
+SQL = re.compile(
+    r"\b(SELECT\s+[\w*(]|UPDATE\s+\w+\s+SET|INSERT\s+(OR\s+\w+\s+)?INTO|DELETE\s+FROM|CREATE\s+TABLE|"
+    r"BEGIN\s+IMMEDIATE)",
+    re.IGNORECASE,
+)
 RAW = re.compile(r"\.(conn|_conn|_tx|tx)\b\s*(\(|\.)|\bsqlite3\b|\bpsycopg\b")
 MAX_LINES = 420
-# Test infrastructure that administers a throwaway database server (roles, schemas, sessions), never job state.
+# Test infrastructure that administers a throwaway database server (roles, schemas, sessions), never job
+# state.
 SERVER_ADMIN = {ROOT / "tests" / "pgcluster.py"}
 
 
@@ -32,12 +36,18 @@ def test_no_sql_outside_the_manifest_package():
         for no, line in enumerate(f.read_text().splitlines(), 1):
             if SQL.search(line) or RAW.search(line):
                 offenders.append(f"{f.relative_to(ROOT)}:{no}: {line.strip()}")
-    assert not offenders, "job state is read or written outside dflash_staged/manifest:\n" + "\n".join(offenders)
+    assert not offenders, "job state is read or written outside dflash_staged/manifest:\n" + "\n".join(
+        offenders
+    )
 
 
 def test_the_check_sees_sql():  # the pattern above must catch what it is there to catch
-    for line in ('c.execute("UPDATE jobs SET state=? WHERE id=?")', 'm.conn.execute("SELECT pid FROM jobs")',
-                 "with m.tx() as c:", "import sqlite3"):
+    for line in (
+        'c.execute("UPDATE jobs SET state=? WHERE id=?")',
+        'm.conn.execute("SELECT pid FROM jobs")',
+        "with m.tx() as c:",
+        "import sqlite3",
+    ):
         assert SQL.search(line) or RAW.search(line), line
 
 
@@ -77,7 +87,7 @@ def test_imports_have_no_cycle():
             if n.startswith(m + ".") or m.startswith(n + "."):  # a package re-exporting its own modules
                 continue
             if state.get(n) == 1:
-                cycle.extend(path[path.index(n):] + [n] if n in path else [m, n])
+                cycle.extend(path[path.index(n) :] + [n] if n in path else [m, n])
                 return True
             if state.get(n) is None and visit(n, path + [n]):
                 return True
@@ -92,18 +102,45 @@ def test_imports_have_no_cycle():
 
 def test_stages_import_downward():
     """Lower layers never import higher ones: e.g. the manifest and the store know nothing of the stages."""
-    layers = [["errors", "procs", "children", "sizes"], ["fsutil", "dtypes", "config", "chat"], ["manifest", "store", "model"],
-              ["plan", "extract", "train", "regenerate"], ["evaluate"], ["launch"], ["cli", "__main__"]]
+    layers = [
+        ["errors", "procs", "children", "sizes"],
+        ["fsutil", "dtypes", "config", "chat"],
+        ["manifest", "store", "model"],
+        ["plan", "extract", "train", "regenerate"],
+        ["evaluate"],
+        ["launch"],
+        ["cli", "__main__"],
+    ]
     rank = {name: i for i, names in enumerate(layers) for name in names}
 
     def layer(m: str) -> int:
         return rank[m.split(".")[1]]
 
-    bad = [f"{m} -> {n}" for m, ns in import_graph().items() if m != "dflash_staged"
-           for n in ns if n != "dflash_staged" and layer(n) > layer(m)]
+    bad = [
+        f"{m} -> {n}"
+        for m, ns in import_graph().items()
+        if m != "dflash_staged"
+        for n in ns
+        if n != "dflash_staged" and layer(n) > layer(m)
+    ]
     assert not bad, "imports that point up:\n" + "\n".join(sorted(bad))
 
 
 def test_modules_stay_readable():
-    long = [f"{f.relative_to(ROOT)}: {n} lines" for f in sources(PKG) if (n := len(f.read_text().splitlines())) > MAX_LINES]
+    long = [
+        f"{f.relative_to(ROOT)}: {n} lines"
+        for f in sources(PKG)
+        if (n := len(f.read_text().splitlines())) > MAX_LINES
+    ]
     assert not long, "split these modules:\n" + "\n".join(long)
+
+
+def test_lines_stay_short():
+    """No line over 110 characters anywhere in the code (ruff's E501 does not count a ``# noqa``)."""
+    long = [
+        f"{f.relative_to(ROOT)}:{no}: {len(line)} characters"
+        for f in sources(PKG, ROOT / "tests", ROOT / "bench", ROOT / "demo")
+        for no, line in enumerate(f.read_text().splitlines(), 1)
+        if len(line) > 110
+    ]
+    assert not long, "wrap these lines:\n" + "\n".join(long)

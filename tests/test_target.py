@@ -6,12 +6,21 @@ import types
 import pytest
 import torch
 
-from dflash_staged.model import preflight
 from dflash_staged.config import TargetConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.model.target import (KernelPreflightError, Target, crop_cache, load_target, load_tokenizer,
-                                  pack_unpadded, pad_batch, preflight_kernels, resolve_dtype,
-                                  resolve_layer_ids)
+from dflash_staged.model import preflight
+from dflash_staged.model.target import (
+    KernelPreflightError,
+    Target,
+    crop_cache,
+    load_target,
+    load_tokenizer,
+    pack_unpadded,
+    pad_batch,
+    preflight_kernels,
+    resolve_dtype,
+    resolve_layer_ids,
+)
 from dflash_staged.model.tiny import save_tiny_model, tiny_config
 
 KINDS = ("qwen3", "qwen3_5", "qwen3_next", "qwen3_moe")
@@ -34,16 +43,20 @@ def samples(lengths=LENGTHS, seed=0):
 
 # --- layer ids, dtype, batching helpers --------------------------------------------------
 
+
 def test_resolve_layer_ids_rule_and_override():
     assert resolve_layer_ids(TargetConfig(), 36, 5) == [1, 9, 17, 25, 33]
     assert resolve_layer_ids(TargetConfig(), 6, 1) == [3]
     assert resolve_layer_ids(TargetConfig(target_layer_ids=[4, 0, 2]), 6, 5) == [4, 0, 2]
 
 
-@pytest.mark.parametrize("cfg,L,k,needle", [
-    (TargetConfig(target_layer_ids=[1, 6]), 6, 1, "[6] are out of range"),
-    (TargetConfig(), 4, 3, "repeated layer ids"),
-])
+@pytest.mark.parametrize(
+    "cfg,L,k,needle",
+    [
+        (TargetConfig(target_layer_ids=[1, 6]), 6, 1, "[6] are out of range"),
+        (TargetConfig(), 4, 3, "repeated layer ids"),
+    ],
+)
 def test_resolve_layer_ids_errors(cfg, L, k, needle):
     with pytest.raises(DflashError) as e:
         resolve_layer_ids(cfg, L, k)
@@ -68,6 +81,7 @@ def test_pad_and_pack_roundtrip():
 
 
 # --- capture: taps are layer outputs, padding-independent, early-stopped ----------------
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_capture_equals_hidden_states(kind):
@@ -116,9 +130,11 @@ def test_early_stop_skips_later_modules(kind):
 
 def test_nested_multimodal_layers_are_found():
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-    cfg = Qwen3_5Config(text_config=tiny_config("qwen3_5").to_dict(),
-                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                           out_hidden_size=256))
+
+    cfg = Qwen3_5Config(
+        text_config=tiny_config("qwen3_5").to_dict(),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256),
+    )
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(cfg).eval()
     t = Target(model, [1, 6], "test", "cpu")
@@ -140,6 +156,7 @@ def test_target_attributes():
 
 
 # --- loading from a local directory -----------------------------------------------------
+
 
 def test_load_local_dir_matches_tiny(tmp_path):
     d = save_tiny_model(tmp_path / "m", "qwen3")
@@ -165,6 +182,7 @@ def test_load_errors(tmp_path):
 
 
 # --- full forward with taps and a KV cache ----------------------------------------------
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_with_taps_and_cache_continuation(kind):
@@ -212,6 +230,7 @@ def test_hybrid_cache_cannot_be_cropped_but_can_be_copied():
 
 # --- kernel preflight ---------------------------------------------------------------------
 
+
 def _no_kernels(monkeypatch, *packages):
     for p in packages:  # a None entry makes `import p` raise ImportError
         monkeypatch.setitem(sys.modules, p, None)
@@ -247,6 +266,7 @@ def test_preflight_names_only_the_missing_package(monkeypatch):
 
     def broken(package, fns, device):
         raise RuntimeError("0 active drivers")
+
     monkeypatch.setattr(preflight, "_smoke", broken)
     with pytest.raises(KernelPreflightError, match="kernel failed on cuda: RuntimeError: 0 active drivers"):
         preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)
@@ -256,8 +276,9 @@ def test_preflight_allow_slow_warns(monkeypatch, caplog):
     _no_kernels(monkeypatch, "fla", "causal_conv1d")
     with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
         preflight_kernels(tiny_config("qwen3_next"), "cuda:0", allow_slow=True)
-    assert any("without fast kernels" in r.getMessage() and "causal-conv1d" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "without fast kernels" in r.getMessage() and "causal-conv1d" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_preflight_cpu_logs_once(monkeypatch, caplog):

@@ -13,6 +13,7 @@ from dflash_staged.launch.disk import disk_requirements
 from dflash_staged.launch.processes import parse_gpus
 from dflash_staged.model.parallel import check_sharded, check_tp, good_tp_sizes
 from dflash_staged.model.tiny import build_tiny_model, tiny_config
+
 from helpers import ROOT, cli, plan
 
 
@@ -65,12 +66,25 @@ def test_extract_refuses_bad_tp_before_starting_anything(tmp_path):
     store = tmp_path / "store"
     code, out = cli("extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu,cpu", "--tp", "2")
     assert code == 1 and "--tp 2 does not divide the 3 device(s)" in out
-    code, out = cli("extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu,cpu,cpu", "--tp", "4",
-                    "--window", "16")
+    code, out = cli(
+        "extract",
+        "--manifest",
+        mdir,
+        "--store",
+        store,
+        "--devices",
+        "cpu,cpu,cpu,cpu",
+        "--tp",
+        "4",
+        "--window",
+        "16",
+    )
     assert code == 1 and "has 4 attention heads and 2 KV heads" in out and "Use --tp 1 or 2" in out
     assert not store.exists()
     if not torch.cuda.is_available():
-        code, out = cli("extract", "--manifest", mdir, "--store", store, "--devices", "cuda:0,cuda:1", "--tp", "2")
+        code, out = cli(
+            "extract", "--manifest", mdir, "--store", store, "--devices", "cuda:0,cuda:1", "--tp", "2"
+        )
         assert code == 1 and "CUDA is not available" in out
 
 
@@ -84,21 +98,54 @@ def test_gpu_lists_take_ranges():
 
 def _dry(*args):
     from click.testing import CliRunner
+
     from dflash_staged.cli import main
+
     return CliRunner().invoke(main, [args[0], "--dry-run", *args[1:]], env={"CUDA_VISIBLE_DEVICES": None})
 
 
 def test_node_layout_with_tp_groups(tmp_path):
-    r = _dry("node", "--config", "configs/qwen3.5-122b-a10b.toml", "--data", "d.jsonl", "--workdir", str(tmp_path),
-             "--extract-gpus", "0-3", "--train-gpus", "4-7", "--tp", "2", "--target-tok-s", "3000")
+    r = _dry(
+        "node",
+        "--config",
+        "configs/qwen3.5-122b-a10b.toml",
+        "--data",
+        "d.jsonl",
+        "--workdir",
+        str(tmp_path),
+        "--extract-gpus",
+        "0-3",
+        "--train-gpus",
+        "4-7",
+        "--tp",
+        "2",
+        "--target-tok-s",
+        "3000",
+    )
     assert r.exit_code == 0, r.output
     (ex,) = [x for x in r.output.splitlines() if x.startswith("[dry-run] extract: ")]
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in ex and " --tp 2" in ex
     assert "--devices cuda:0,cuda:1,cuda:2,cuda:3 " in ex
     (bw,) = [x for x in r.output.splitlines() if "disk bandwidth" in x]
-    assert "3,000 tok/s per extract worker" in bw and "2 worker(s) (4 extract GPUs in tensor-parallel groups of 2)" in bw
-    r = _dry("node", "--config", "configs/tiny.toml", "--data", "d.jsonl", "--workdir", str(tmp_path),
-             "--extract-gpus", "0-2", "--train-gpus", "4", "--tp", "2")
+    assert (
+        "3,000 tok/s per extract worker" in bw
+        and "2 worker(s) (4 extract GPUs in tensor-parallel groups of 2)" in bw
+    )
+    r = _dry(
+        "node",
+        "--config",
+        "configs/tiny.toml",
+        "--data",
+        "d.jsonl",
+        "--workdir",
+        str(tmp_path),
+        "--extract-gpus",
+        "0-2",
+        "--train-gpus",
+        "4",
+        "--tp",
+        "2",
+    )
     assert r.exit_code == 1 and "--tp 2 does not divide the 3 GPU(s) of --extract-gpus 0-2" in r.output
 
 
@@ -117,9 +164,26 @@ def test_gpu_smoke_tp_step_runs_on_cpu(tmp_path):
     import json
     import subprocess
     import sys
+
     from helpers import env
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--device", "cpu", "--only", "tp_extract",
-                        "--out", str(tmp_path)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_smoke.py"),
+            "--device",
+            "cpu",
+            "--only",
+            "tp_extract",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     step = summary["steps"]["tp_extract"]
     assert r.returncode == 0 and summary["ok"], step

@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.weights import load_drafter
+from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
+
 from helpers import dflash, plan, run_dflash, sample_while, status
 
 EXTRA = "[data]\ntoken_budget = 512\n"
@@ -30,7 +31,9 @@ def extracted(tmp_path_factory):
     """One manifest (2 epochs) extracted to completion; tests copy it before mutating."""
     d = tmp_path_factory.mktemp("extracted")
     mdir = plan(d, n=24, epochs=2, extra=EXTRA)
-    r = run_dflash("extract", "--manifest", mdir, "--store", d / "store", "--devices", "cpu,cpu", "--window", "64")
+    r = run_dflash(
+        "extract", "--manifest", mdir, "--store", d / "store", "--devices", "cpu,cpu", "--window", "64"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return d
 
@@ -149,19 +152,49 @@ def test_replay_is_deterministic_and_resumes_equal(kept, tmp_path):
 
 def test_replay_order_from_and_overrides(kept, tmp_path):
     live = metrics(kept / "live")
-    r = run_dflash("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store",
-                   "--out", tmp_path / "o", "--order-from", kept / "live", "--set", "train.lr=1e-3",
-                   "--set", "drafter.block_size=4", "--set", 'drafter.layer_types=["sliding_attention", "full_attention"]',
-                   "--set", "drafter.sliding_window=5", "--set", "drafter.init=target_top")
+    r = run_dflash(
+        "train",
+        "--replay",
+        "--manifest",
+        kept / "manifest",
+        "--store",
+        kept / "store",
+        "--out",
+        tmp_path / "o",
+        "--order-from",
+        kept / "live",
+        "--set",
+        "train.lr=1e-3",
+        "--set",
+        "drafter.block_size=4",
+        "--set",
+        'drafter.layer_types=["sliding_attention", "full_attention"]',
+        "--set",
+        "drafter.sliding_window=5",
+        "--set",
+        "drafter.init=target_top",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "drafter initialised from the target" in r.stderr
     assert [x["jobs"] for x in metrics(tmp_path / "o")] == [x["jobs"] for x in live]
     cfg = json.loads((latest_checkpoint(tmp_path / "o") / "config.json").read_text())
     assert cfg["block_size"] == 4  # and a drafter with a sliding layer trained, saved and loads back
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 5
-    assert load_drafter(latest_checkpoint(tmp_path / "o"), torch.zeros(2048, 128), torch.zeros(2048, 128)).dcfg.use_sliding_window
-    bad = run_dflash("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store",
-                     "--out", tmp_path / "p", "--set", "target.target_layer_ids=[1]")
+    assert load_drafter(
+        latest_checkpoint(tmp_path / "o"), torch.zeros(2048, 128), torch.zeros(2048, 128)
+    ).dcfg.use_sliding_window
+    bad = run_dflash(
+        "train",
+        "--replay",
+        "--manifest",
+        kept / "manifest",
+        "--store",
+        kept / "store",
+        "--out",
+        tmp_path / "p",
+        "--set",
+        "target.target_layer_ids=[1]",
+    )
     assert bad.returncode == 1 and "cannot be changed" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -169,8 +202,19 @@ def test_ddp_two_ranks_gloo(extracted, tmp_path):
     mdir, store = copy_of(extracted, tmp_path)
     run = tmp_path / "run"
     # `--nproc=2` (with "="): regression, the relaunch under torchrun crashed on this spelling
-    r = run_dflash("train", "--manifest", mdir, "--store", store, "--out", run, "--nproc=2", "--device", "cpu",
-                   timeout=400)
+    r = run_dflash(
+        "train",
+        "--manifest",
+        mdir,
+        "--store",
+        store,
+        "--out",
+        run,
+        "--nproc=2",
+        "--device",
+        "cpu",
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     state, _ = final_consumed(run)
     items = [c for v in state.consumed().values() for c in v]
@@ -181,7 +225,16 @@ def test_ddp_two_ranks_gloo(extracted, tmp_path):
 
 
 def test_init_from_a_live_run_warm_starts_the_replay(kept, tmp_path):
-    args = ("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store", "--max-steps", "1")
+    args = (
+        "train",
+        "--replay",
+        "--manifest",
+        kept / "manifest",
+        "--store",
+        kept / "store",
+        "--max-steps",
+        "1",
+    )
     cold = run_dflash(*args, "--out", tmp_path / "cold")
     warm = run_dflash(*args, "--out", tmp_path / "warm", "--init-from", kept / "live")
     assert cold.returncode == 0 and warm.returncode == 0, warm.stdout + warm.stderr

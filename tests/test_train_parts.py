@@ -20,6 +20,7 @@ from dflash_staged.train.ledger import Consumed, Ledger
 from dflash_staged.train.loop import microbatches
 from dflash_staged.train.optim import Optimizer, lr_at
 from dflash_staged.train.sources import LiveSource, ReplaySource
+
 from helpers import plan
 
 H, K = 8, 2
@@ -37,9 +38,18 @@ def publish_all(m: Manifest, store: ShardStore, limit: int | None = None) -> lis
         lens = [len(m.sample(s)[0]) for s in j.sample_ids]
         cu = torch.tensor([0] + torch.cumsum(torch.tensor(lens), 0).tolist())
         hidden = ids.float()[:, None, None].expand(-1, K, H).contiguous()
-        staged = store.stage_shard(j.epoch, j.id, hidden, ids.int(), torch.ones(len(ids), dtype=torch.uint8), cu,
-                                   torch.tensor(j.sample_ids))
-        assert m.publish(j, staged.info.nbytes, staged.info.checksum, commit=lambda: store.commit_staged(staged))
+        staged = store.stage_shard(
+            j.epoch,
+            j.id,
+            hidden,
+            ids.int(),
+            torch.ones(len(ids), dtype=torch.uint8),
+            cu,
+            torch.tensor(j.sample_ids),
+        )
+        assert m.publish(
+            j, staged.info.nbytes, staged.info.checksum, commit=lambda s=staged: store.commit_staged(s)
+        )
         done.append(j.id)
     return done
 
@@ -48,9 +58,12 @@ def publish_all(m: Manifest, store: ShardStore, limit: int | None = None) -> lis
 def live(tmp_path):
     mdir = plan(tmp_path, n=16, epochs=2, extra="[data]\ntoken_budget = 512\n")
     m = Manifest.open(mdir)
-    store = ShardStore.create_or_open(tmp_path / "store", StoreMeta(manifest_id=m.manifest_id, target_id="t",
-                                                                    layer_ids=[1, 2], hidden_size=H,
-                                                                    logical_dtype="float32"))
+    store = ShardStore.create_or_open(
+        tmp_path / "store",
+        StoreMeta(
+            manifest_id=m.manifest_id, target_id="t", layer_ids=[1, 2], hidden_size=H, logical_dtype="float32"
+        ),
+    )
     yield m, store
     m.close()
 
@@ -96,7 +109,9 @@ def test_buffer_prefers_buckets_not_yet_in_the_step(live):
 
 def test_a_step_of_several_jobs_waits_for_two_buckets_unless_nothing_more_can_come(live):
     from types import SimpleNamespace
+
     from dflash_staged.train import draw
+
     m, store = live
     publish_all(m, store)
     jobs = m.jobs("written")
@@ -106,9 +121,11 @@ def test_a_step_of_several_jobs_waits_for_two_buckets_unless_nothing_more_can_co
     (a, b, *_), other = sorted(by_bucket.values(), key=len, reverse=True)[:2]  # 2+ jobs in the first
     finished = [False]
     buf = ShardBuffer(store, capacity=4)
-    t = SimpleNamespace(buffer=buf, cfg=SimpleNamespace(train=TrainConfig(grad_accum=2, min_ready=2,
-                                                                           buffer_capacity=4)),
-                        source=SimpleNamespace(finished=lambda: finished[0]))
+    t = SimpleNamespace(
+        buffer=buf,
+        cfg=SimpleNamespace(train=TrainConfig(grad_accum=2, min_ready=2, buffer_capacity=4)),
+        source=SimpleNamespace(finished=lambda: finished[0]),
+    )
     ready = lambda: draw.ready(t)  # noqa: E731
     buf.admit([a])
     assert not ready()  # fewer than min_ready
@@ -209,7 +226,9 @@ def test_ledger_releases_only_what_a_checkpoint_covers(live, keep):
     assert led.holds_unreleased(2) and m.job(ids[0]).state == "consumed"
     led.checkpoint_done(1)  # covers step 1 only
     assert [m.job(i).state for i in ids] == ["kept" if keep else "released"] * 2 + ["consumed", "written"]
-    assert store.has_shard(m.job(ids[0]).epoch, ids[0]) == keep and store.has_shard(m.job(ids[2]).epoch, ids[2])
+    assert store.has_shard(m.job(ids[0]).epoch, ids[0]) == keep and store.has_shard(
+        m.job(ids[2]).epoch, ids[2]
+    )
     assert led.covered() == {ids[0]: 1, ids[1]: 1, ids[2]: 2}
 
 
@@ -236,21 +255,26 @@ def test_a_replay_ledger_never_writes_the_manifest(live):
 # ---------------------------------------------------------------------------------------------- checkpoints
 def _params(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"a.weight": torch.nn.Parameter(torch.randn(4, 3, generator=g)),
-            "b.weight": torch.nn.Parameter(torch.randn(5, generator=g))}
+    return {
+        "a.weight": torch.nn.Parameter(torch.randn(4, 3, generator=g)),
+        "b.weight": torch.nn.Parameter(torch.randn(5, generator=g)),
+    }
 
 
 def test_checkpoint_round_trip_restores_weights_and_optimizer(tmp_path):
     params = _params(0)
     opt = Optimizer(params, TrainConfig(lr=1e-2), Dist(torch.device("cpu")))
     for _ in range(3):
-        (sum((p ** 2).sum() for p in params.values())).backward()
+        (sum((p**2).sum() for p in params.values())).backward()
         opt.step(1e-2)
     state = ckpt.TrainerState({"step": 3, "consumed": {"1": [[7, 0, 10, 0, 5.0]]}}, {})
-    state = ckpt.TrainerState({**state.values, **{k: v for k, v in opt.state_dict().items() if not torch.is_tensor(v)}},
-                              {k: v for k, v in opt.state_dict().items() if torch.is_tensor(v)})
-    out = ckpt.save_checkpoint(tmp_path, 3, write_drafter=lambda d: (d / "config.json").write_text("{}"),
-                               state=state, keep=2)
+    state = ckpt.TrainerState(
+        {**state.values, **{k: v for k, v in opt.state_dict().items() if not torch.is_tensor(v)}},
+        {k: v for k, v in opt.state_dict().items() if torch.is_tensor(v)},
+    )
+    out = ckpt.save_checkpoint(
+        tmp_path, 3, write_drafter=lambda d: (d / "config.json").write_text("{}"), state=state, keep=2
+    )
     assert out.name == "step_00000003" and ckpt.latest_checkpoint(tmp_path) == out
     loaded = ckpt.load_checkpoint(out)
     assert loaded["format_version"] == ckpt.FORMAT_VERSION and loaded.consumed_jobs() == {7: 1}
@@ -261,7 +285,7 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tmp_path):
     for n in params:
         assert torch.equal(params[n], params2[n])
     for p in (params, params2):  # one more identical step from identical state
-        (sum((x ** 2).sum() for x in p.values())).backward()
+        (sum((x**2).sum() for x in p.values())).backward()
     opt.step(1e-2), opt2.step(1e-2)
     for n in params:
         assert torch.equal(params[n], params2[n])
@@ -269,12 +293,20 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(tmp_path):
 
 def test_checkpoints_keep_the_newest_and_refuse_another_format(tmp_path):
     for step in (1, 2, 3):
-        ckpt.save_checkpoint(tmp_path, step, write_drafter=lambda d: None,
-                             state=ckpt.TrainerState({"step": step}, {"x": torch.zeros(1)}), keep=2)
+        ckpt.save_checkpoint(
+            tmp_path,
+            step,
+            write_drafter=lambda d: None,
+            state=ckpt.TrainerState({"step": step}, {"x": torch.zeros(1)}),
+            keep=2,
+        )
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3]
     (ckpt.checkpoints_dir(tmp_path) / ".step_00000004.tmp-1-abc").mkdir()  # a save killed midway
     ckpt.cleanup_tmp(tmp_path)
-    assert sorted(p.name for p in ckpt.checkpoints_dir(tmp_path).iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in ckpt.checkpoints_dir(tmp_path).iterdir()) == [
+        "step_00000002",
+        "step_00000003",
+    ]
     latest = ckpt.latest_checkpoint(tmp_path)
     st = json.loads((latest / "trainer_state.json").read_text())
     (latest / "trainer_state.json").write_text(json.dumps({**st, "format_version": 99}))
@@ -313,8 +345,13 @@ def test_lr_schedule_warms_up_peaks_and_decays_to_zero():
 
 def test_plot_draws_the_curves_and_refuses_a_run_without_metrics(tmp_path):
     from helpers import cli
-    lines = [{"step": s, "loss": 5.0 / s, "tau": 1 + s / 100, "lr": 1e-3, "tokens": 100} for s in range(1, 40)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 40, "loss"')
+
+    lines = [
+        {"step": s, "loss": 5.0 / s, "tau": 1 + s / 100, "lr": 1e-3, "tokens": 100} for s in range(1, 40)
+    ]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in lines) + '{"step": 40, "loss"'
+    )
     code, out = cli("plot", tmp_path)
     assert code == 0, out
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -329,6 +366,7 @@ def test_ranks_wait_together_and_release_before_waiting(live):
 
     from dflash_staged.train.draw import gather_step
     from dflash_staged.train.sources import DrainError
+
     m, store = live
 
     class TwoRanks:  # this rank's collectives, with the other rank's answers scripted
@@ -350,15 +388,23 @@ def test_ranks_wait_together_and_release_before_waiting(live):
 
     released = []
     dist = TwoRanks(other_not_ready=3)
-    t = SimpleNamespace(buffer=ShardBuffer(store, capacity=4), dist=dist, step=5,
-                        draw_gen=torch.Generator().manual_seed(0),
-                        cfg=SimpleNamespace(train=TrainConfig(grad_accum=2, min_ready=2, buffer_capacity=4)),
-                        source=SimpleNamespace(finished=lambda: True, fill=lambda b: t.dist.fill(b),
-                                               check_progress_possible=lambda: None, forced_step=lambda step: [],
-                                               live=True),
-                        ledger=SimpleNamespace(holds_unreleased=lambda step: not released),
-                        checkpoint_and_release=lambda: released.append(t.step),
-                        progress=SimpleNamespace(waiting=lambda *a, **k: None))
+    t = SimpleNamespace(
+        buffer=ShardBuffer(store, capacity=4),
+        dist=dist,
+        step=5,
+        draw_gen=torch.Generator().manual_seed(0),
+        cfg=SimpleNamespace(train=TrainConfig(grad_accum=2, min_ready=2, buffer_capacity=4)),
+        source=SimpleNamespace(
+            finished=lambda: True,
+            fill=lambda b: t.dist.fill(b),
+            check_progress_possible=lambda: None,
+            forced_step=lambda step: [],
+            live=True,
+        ),
+        ledger=SimpleNamespace(holds_unreleased=lambda step: not released),
+        checkpoint_and_release=lambda: released.append(t.step),
+        progress=SimpleNamespace(waiting=lambda *a, **k: None),
+    )
     data = gather_step(t, stop=False)
     assert dist.polls == 4 and data is not None and data.shards == []  # drew only once the other was ready
     assert released == [5]  # released once, before the first wait

@@ -12,6 +12,7 @@ from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.loop import train_loop
 from dflash_staged.train.options import TrainOptions
 from dflash_staged.train.trainer import build_trainer
+
 from helpers import plan, run_dflash
 
 
@@ -19,7 +20,9 @@ from helpers import plan, run_dflash
 def extracted(tmp_path_factory):
     d = tmp_path_factory.mktemp("extracted")
     mdir = plan(d, n=12, extra="[data]\ntoken_budget = 512\n")
-    r = run_dflash("extract", "--manifest", mdir, "--store", d / "store", "--devices", "cpu", "--window", "64")
+    r = run_dflash(
+        "extract", "--manifest", mdir, "--store", d / "store", "--devices", "cpu", "--window", "64"
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return d
 
@@ -28,8 +31,9 @@ def extracted(tmp_path_factory):
 def run(extracted, tmp_path):
     shutil.copytree(extracted / "manifest", tmp_path / "manifest")
     shutil.copytree(extracted / "store", tmp_path / "store")
-    return lambda **kw: TrainOptions(manifest=tmp_path / "manifest", store=tmp_path / "store", out=tmp_path / "run",
-                                     device="cpu", **kw)
+    return lambda **kw: TrainOptions(
+        manifest=tmp_path / "manifest", store=tmp_path / "store", out=tmp_path / "run", device="cpu", **kw
+    )
 
 
 class Counter:
@@ -116,7 +120,9 @@ def test_components_may_not_share_a_key_and_per_rank_parts_are_lists(run):
             def state_dict(self) -> dict:
                 return {"t": torch.zeros(1)}
 
-        with pytest.raises(ValueError, match="'tensors' is per rank: its part must be JSON values, not the tensor 't'"):
+        with pytest.raises(
+            ValueError, match="'tensors' is per rank: its part must be JSON values, not the tensor 't'"
+        ):
             ckpt.TrainerState.collect({"tensors": Tensors()}, t.dist.gather_obj)
     finally:
         t.close()

@@ -16,11 +16,45 @@ may change.
 from dflash_staged.config.loading import config_from_dict, load_config, target_from_spec, tomllib
 from dflash_staged.config.overrides import REPLAY_OVERRIDABLE, apply_overrides
 from dflash_staged.config.schema import (
-    ATTENTION_CHOICES, FULL, LAYER_TYPES, RENDER_ARGS, SECTIONS, SLIDING, _SECTION_CLASSES, Config,
-    ConfigError, DataConfig, DrafterConfig, ExtractConfig, TargetConfig, TrainConfig, check_layer_types,
-    dflash_target_layers)
+    _SECTION_CLASSES,
+    ATTENTION_CHOICES,
+    FULL,
+    LAYER_TYPES,
+    RENDER_ARGS,
+    SECTIONS,
+    SLIDING,
+    Config,
+    ConfigError,
+    DataConfig,
+    DrafterConfig,
+    ExtractConfig,
+    TargetConfig,
+    TrainConfig,
+    check_layer_types,
+    dflash_target_layers,
+)
 
-__all__ = ["ATTENTION_CHOICES", "FULL", "LAYER_TYPES", "RENDER_ARGS", "REPLAY_OVERRIDABLE", "SECTIONS",
-           "SLIDING", "_SECTION_CLASSES", "Config", "ConfigError", "DataConfig", "DrafterConfig",
-           "ExtractConfig", "TargetConfig", "TrainConfig", "apply_overrides", "check_layer_types",
-           "config_from_dict", "dflash_target_layers", "load_config", "target_from_spec", "tomllib"]
+__all__ = [
+    "ATTENTION_CHOICES",
+    "FULL",
+    "LAYER_TYPES",
+    "RENDER_ARGS",
+    "REPLAY_OVERRIDABLE",
+    "SECTIONS",
+    "SLIDING",
+    "_SECTION_CLASSES",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DrafterConfig",
+    "ExtractConfig",
+    "TargetConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "check_layer_types",
+    "config_from_dict",
+    "dflash_target_layers",
+    "load_config",
+    "target_from_spec",
+    "tomllib",
+]

@@ -44,8 +44,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return [_coerce(v, arg, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:  # a table of JSON values (it is snapshotted as JSON)
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, e.g. {{ key = value }}, got "
-                              f"{type(value).__name__} {value!r}")
+            raise ConfigError(
+                f"{where}: expected a table, e.g. {{ key = value }}, got {type(value).__name__} {value!r}"
+            )
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -95,10 +96,13 @@ def _build_section(cls: type, raw: Any, where: str) -> Any:
 def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> Config:
     for key in raw:
         if key not in _SECTION_CLASSES:
-            raise ConfigError(f"{source}: unknown section [{key}]; known sections are: "
-                              f"{', '.join(_SECTION_CLASSES)}")
-    parts = {name: _build_section(cls, raw.get(name, {}), f"{source}: {name}")
-             for name, cls in _SECTION_CLASSES.items()}
+            raise ConfigError(
+                f"{source}: unknown section [{key}]; known sections are: {', '.join(_SECTION_CLASSES)}"
+            )
+    parts = {
+        name: _build_section(cls, raw.get(name, {}), f"{source}: {name}")
+        for name, cls in _SECTION_CLASSES.items()
+    }
     return Config(**parts)
 
 
@@ -118,8 +122,9 @@ def load_config(path: str | Path) -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}; fix the syntax") from None
     except RecursionError:
-        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply; "
-                          "fix the syntax") from None
+        raise ConfigError(
+            f"{path}: invalid TOML: arrays or tables nested too deeply; fix the syntax"
+        ) from None
     except ValueError as e:  # e.g. an integer literal too long to convert
         raise ConfigError(f"{path}: invalid TOML: {e}; fix the value") from None
     return config_from_dict(raw, str(path))

@@ -15,21 +15,35 @@ from dflash_staged.config.schema import Config, ConfigError, TrainConfig
 
 # Settings `train --replay` may override (plain `train`: its [train] part); the rest is fixed by the shards.
 REPLAY_OVERRIDABLE = {
-    "drafter": {"num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "block_size", "rms_norm_eps", "rope_theta", "dtype", "init", "layer_types",
-                "sliding_window"},
+    "drafter": {
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "block_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "dtype",
+        "init",
+        "layer_types",
+        "sliding_window",
+    },
     "train": {f.name for f in fields(TrainConfig)},
 }
 
 
-def apply_overrides(cfg: Config, overrides: dict[str, dict[str, Any]], allowed: dict[str, set[str]],
-                    what: str) -> Config:
+def apply_overrides(
+    cfg: Config, overrides: dict[str, dict[str, Any]], allowed: dict[str, set[str]], what: str
+) -> Config:
     """Return a copy of cfg with section.key values replaced; refuse keys outside `allowed`."""
     raw = cfg.to_dict()
     for section, kv in overrides.items():
         for key, value in kv.items():
             if key not in allowed.get(section, set()):
-                raise ConfigError(f"{section}.{key} cannot be changed for {what}: it is fixed by the "
-                                  f"manifest/stored shards; re-plan to change it")
+                raise ConfigError(
+                    f"{section}.{key} cannot be changed for {what}: it is fixed by the "
+                    f"manifest/stored shards; re-plan to change it"
+                )
             raw[section][key] = value
     return config_from_dict(raw, f"<{what} overrides>")

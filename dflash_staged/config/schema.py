@@ -52,20 +52,38 @@ class TargetConfig:
     seed: int = 0  # weights seed of a tiny:* target (ignored for a real model)
 
     def __post_init__(self) -> None:
-        _check(bool(self.model),
-               "target.model is empty: set it to a model directory, a hub id, or 'tiny:qwen3'")
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-               f"target.dtype={self.dtype!r}: use one of auto, float32, bfloat16, float16")
-        _check(all(i >= 0 for i in self.target_layer_ids),
-               f"target.target_layer_ids={self.target_layer_ids}: layer ids must be >= 0")
-        _check(len(set(self.target_layer_ids)) == len(self.target_layer_ids),
-               f"target.target_layer_ids={self.target_layer_ids}: remove the duplicate ids")
+        _check(
+            bool(self.model), "target.model is empty: set it to a model directory, a hub id, or 'tiny:qwen3'"
+        )
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"target.dtype={self.dtype!r}: use one of auto, float32, bfloat16, float16",
+        )
+        _check(
+            all(i >= 0 for i in self.target_layer_ids),
+            f"target.target_layer_ids={self.target_layer_ids}: layer ids must be >= 0",
+        )
+        _check(
+            len(set(self.target_layer_ids)) == len(self.target_layer_ids),
+            f"target.target_layer_ids={self.target_layer_ids}: remove the duplicate ids",
+        )
 
 
 # apply_chat_template arguments dflash passes itself; data.chat_template_kwargs may not set them.
-RENDER_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
-               "continue_final_message", "return_dict", "return_tensors", "return_assistant_tokens_mask",
-               "padding", "truncation", "max_length"}
+RENDER_ARGS = {
+    "conversation",
+    "messages",
+    "tokenize",
+    "add_generation_prompt",
+    "chat_template",
+    "continue_final_message",
+    "return_dict",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "padding",
+    "truncation",
+    "max_length",
+}
 
 
 @dataclass
@@ -85,18 +103,27 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         taken = sorted(set(self.chat_template_kwargs) & RENDER_ARGS)
-        _check(not taken, f"data.chat_template_kwargs.{taken[0] if taken else ''}: dflash sets this argument "
-                          "of apply_chat_template itself; remove it (use data.chat_template for the "
-                          "template)")
+        _check(
+            not taken,
+            f"data.chat_template_kwargs.{taken[0] if taken else ''}: dflash sets this argument "
+            "of apply_chat_template itself; remove it (use data.chat_template for the "
+            "template)",
+        )
         _check(self.max_len >= 2, f"data.max_len={self.max_len}: must be >= 2")
-        _check(self.overlength in ("truncate", "skip"),
-               f"data.overlength={self.overlength!r}: use 'truncate' or 'skip'")
+        _check(
+            self.overlength in ("truncate", "skip"),
+            f"data.overlength={self.overlength!r}: use 'truncate' or 'skip'",
+        )
         _check(self.num_buckets >= 1, f"data.num_buckets={self.num_buckets}: must be >= 1")
-        _check(self.bucket_edges == sorted(set(self.bucket_edges)) and all(e > 0 for e in self.bucket_edges),
-               f"data.bucket_edges={self.bucket_edges}: use strictly increasing positive lengths")
-        _check(self.token_budget >= self.max_len,
-               f"data.token_budget={self.token_budget} < data.max_len={self.max_len}: raise the budget "
-               "so the longest sequence fits a batch")
+        _check(
+            self.bucket_edges == sorted(set(self.bucket_edges)) and all(e > 0 for e in self.bucket_edges),
+            f"data.bucket_edges={self.bucket_edges}: use strictly increasing positive lengths",
+        )
+        _check(
+            self.token_budget >= self.max_len,
+            f"data.token_budget={self.token_budget} < data.max_len={self.max_len}: raise the budget "
+            "so the longest sequence fits a batch",
+        )
         _check(self.min_loss_tokens >= 0, "data.min_loss_tokens must be >= 0")
 
 
@@ -110,14 +137,17 @@ ATTENTION_CHOICES = ("auto", "flex", "sdpa")  # train.attention
 def check_layer_types(layer_types: list[str], num_layers: int, sliding_window, where: str) -> str | None:
     """Why ``layer_types`` / ``sliding_window`` are unusable for ``num_layers`` layers (None if fine)."""
     if len(layer_types) != num_layers:
-        return (f"{where}layer_types has {len(layer_types)} entries for {num_layers} layers; "
-                "give one per layer")
+        return (
+            f"{where}layer_types has {len(layer_types)} entries for {num_layers} layers; give one per layer"
+        )
     bad = sorted(set(layer_types) - set(LAYER_TYPES))
     if bad:
         return f"{where}layer_types has {bad}; use {FULL!r} or {SLIDING!r}"
     if SLIDING in layer_types and not (isinstance(sliding_window, int) and sliding_window >= 1):
-        return (f"{where}sliding_window={sliding_window!r}: {SLIDING} layers need a window of at least 1 "
-                "position (it counts the query's own position)")
+        return (
+            f"{where}sliding_window={sliding_window!r}: {SLIDING} layers need a window of at least 1 "
+            "position (it counts the query's own position)"
+        )
     return None
 
 
@@ -146,18 +176,27 @@ class DrafterConfig:
     sliding_window: int = 0  # positions a sliding layer sees, its own included (set it with such layers)
 
     def __post_init__(self) -> None:
-        _check(self.num_hidden_layers >= 1,
-               f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1")
+        _check(
+            self.num_hidden_layers >= 1, f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1"
+        )
         _check(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2")
-        _check(self.num_attention_heads >= 1 and self.num_key_value_heads >= 1,
-               "drafter.num_attention_heads and num_key_value_heads must be >= 1")
-        _check(self.num_attention_heads % self.num_key_value_heads == 0,
-               f"drafter.num_attention_heads={self.num_attention_heads} is not a multiple of "
-               f"num_key_value_heads={self.num_key_value_heads}: pick a divisor")
-        _check(self.dtype in ("float32", "bfloat16", "float16"),
-               f"drafter.dtype={self.dtype!r}: use float32, bfloat16 or float16")
-        _check(self.init in ("auto", "random", "target_top"),
-               f"drafter.init={self.init!r}: use 'auto', 'target_top' or 'random'")
+        _check(
+            self.num_attention_heads >= 1 and self.num_key_value_heads >= 1,
+            "drafter.num_attention_heads and num_key_value_heads must be >= 1",
+        )
+        _check(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"drafter.num_attention_heads={self.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={self.num_key_value_heads}: pick a divisor",
+        )
+        _check(
+            self.dtype in ("float32", "bfloat16", "float16"),
+            f"drafter.dtype={self.dtype!r}: use float32, bfloat16 or float16",
+        )
+        _check(
+            self.init in ("auto", "random", "target_top"),
+            f"drafter.init={self.init!r}: use 'auto', 'target_top' or 'random'",
+        )
         if self.layer_types:
             why = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, "drafter.")
             _check(why is None, why or "")
@@ -193,30 +232,42 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"train.lr={self.lr}: must be > 0")
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio={self.warmup_ratio}: use a value in [0, 1)")
-        _check(self.lr_schedule in ("cosine", "wsd"),
-               f"train.lr_schedule={self.lr_schedule!r}: use cosine or wsd")
-        _check(0 < self.decay_ratio <= 1 and self.warmup_ratio + self.decay_ratio <= 1,
-               f"train.decay_ratio={self.decay_ratio}: use a value in (0, 1 - warmup_ratio]")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-               f"train.betas={self.betas}: give two values in [0, 1)")
+        _check(
+            self.lr_schedule in ("cosine", "wsd"),
+            f"train.lr_schedule={self.lr_schedule!r}: use cosine or wsd",
+        )
+        _check(
+            0 < self.decay_ratio <= 1 and self.warmup_ratio + self.decay_ratio <= 1,
+            f"train.decay_ratio={self.decay_ratio}: use a value in (0, 1 - warmup_ratio]",
+        )
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"train.betas={self.betas}: give two values in [0, 1)",
+        )
         _check(self.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
         _check(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum}: must be >= 1")
         _check(self.microbatch_tokens >= 1, "train.microbatch_tokens must be >= 1")
         _check(self.num_anchors >= 1, f"train.num_anchors={self.num_anchors}: must be >= 1")
         _check(self.gamma > 0, f"train.gamma={self.gamma}: must be > 0")
         _check(self.noise_std >= 0, "train.noise_std must be >= 0")
-        _check(self.noise_schedule in ("constant", "linear", "cosine"),
-               f"train.noise_schedule={self.noise_schedule!r}: use constant, linear or cosine")
+        _check(
+            self.noise_schedule in ("constant", "linear", "cosine"),
+            f"train.noise_schedule={self.noise_schedule!r}: use constant, linear or cosine",
+        )
         _check(self.buffer_capacity >= 1, "train.buffer_capacity must be >= 1")
-        _check(1 <= self.min_ready <= self.buffer_capacity,
-               f"train.min_ready={self.min_ready} must be between 1 and train.buffer_capacity="
-               f"{self.buffer_capacity}: lower min_ready or raise the capacity")
+        _check(
+            1 <= self.min_ready <= self.buffer_capacity,
+            f"train.min_ready={self.min_ready} must be between 1 and train.buffer_capacity="
+            f"{self.buffer_capacity}: lower min_ready or raise the capacity",
+        )
         _check(self.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _check(self.log_every >= 1, "train.log_every must be >= 1")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
-        _check(self.attention in ATTENTION_CHOICES,
-               f"train.attention={self.attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
+        _check(
+            self.attention in ATTENTION_CHOICES,
+            f"train.attention={self.attention!r}: use one of {', '.join(ATTENTION_CHOICES)}",
+        )
 
 
 @dataclass
@@ -238,11 +289,15 @@ class ExtractConfig:
         _check(self.window_bytes >= 0, "extract.window_bytes must be >= 0 (0 = unlimited)")
         _check(self.lease_s > 0, "extract.lease_s must be > 0")
         for key in ("collective_timeout_s", "registration_liveness_s"):
-            _check(getattr(self, key) >= 0, f"extract.{key}={getattr(self, key)}: must be > 0, or 0 (the "
-                                            "default) to use extract.lease_s")
+            _check(
+                getattr(self, key) >= 0,
+                f"extract.{key}={getattr(self, key)}: must be > 0, or 0 (the default) to use extract.lease_s",
+            )
         _check(self.max_attempts >= 1, "extract.max_attempts must be >= 1")
-        _check(self.compression in ("none", "zstd"),
-               f"extract.compression={self.compression!r}: use 'none' or 'zstd'")
+        _check(
+            self.compression in ("none", "zstd"),
+            f"extract.compression={self.compression!r}: use 'none' or 'zstd'",
+        )
 
     @property
     def collective_timeout(self) -> float:
@@ -273,9 +328,14 @@ class Config:
     def plan_hash(self) -> str:
         """Hash of the settings that shape the plan and the shards (not runtime knobs)."""
         d = self.to_dict()
-        keep = {"target": d["target"], "data": d["data"],
-                "drafter": {"block_size": d["drafter"]["block_size"],
-                            "num_hidden_layers": d["drafter"]["num_hidden_layers"]}}
+        keep = {
+            "target": d["target"],
+            "data": d["data"],
+            "drafter": {
+                "block_size": d["drafter"]["block_size"],
+                "num_hidden_layers": d["drafter"]["num_hidden_layers"],
+            },
+        }
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -284,5 +344,10 @@ class Config:
 
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
-_SECTION_CLASSES = {"target": TargetConfig, "data": DataConfig, "drafter": DrafterConfig,
-                    "train": TrainConfig, "extract": ExtractConfig}
+_SECTION_CLASSES = {
+    "target": TargetConfig,
+    "data": DataConfig,
+    "drafter": DrafterConfig,
+    "train": TrainConfig,
+    "extract": ExtractConfig,
+}

@@ -12,6 +12,7 @@ def plot_eval(report: dict, path: str | Path) -> Path:
     """Draw the eval ``report`` (see :func:`dflash_staged.evaluate.run_eval`) to ``path``, atomically."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -26,8 +27,10 @@ def plot_eval(report: dict, path: str | Path) -> Path:
     ax1.set_xticks(range(1, B + 1))
     ax1.set_xlabel("tokens committed per verify step")
     ax1.set_ylabel("share of verify steps")
-    ax1.set_title(f"accepted lengths (tau {report.get('tau_per_prompt_mean', report['tau']):.3f} per-prompt mean, "
-                  f"{report['tau']:.3f} pooled, {report['steps']} steps)")
+    ax1.set_title(
+        f"accepted lengths (tau {report.get('tau_per_prompt_mean', report['tau']):.3f} per-prompt mean, "
+        f"{report['tau']:.3f} pooled, {report['steps']} steps)"
+    )
     ax2.plot(range(1, B), rates, marker="o", color="tab:orange")
     ax2.set_xticks(range(1, B))
     ax2.set_ylim(0, 1)

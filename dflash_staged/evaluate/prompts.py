@@ -17,20 +17,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_staged.chat import ChatOptions
 from dflash_staged.config import load_config
 from dflash_staged.errors import DflashError
-from dflash_staged.chat import ChatOptions
 
 
-def chat_options(ckpt: Path, target_spec: str, kwargs: dict | None = None,
-                 template: str | Path | None = None) -> tuple[ChatOptions, str]:
+def chat_options(
+    ckpt: Path, target_spec: str, kwargs: dict | None = None, template: str | Path | None = None
+) -> tuple[ChatOptions, str]:
     """(the options prompts are rendered with, where they came from); see the module docstring."""
     state = Path(ckpt) / "trainer_state.json"
     try:
         rec = json.loads(state.read_text()).get("chat") if state.is_file() else None
     except (OSError, ValueError) as e:
-        raise DflashError(f"{state}: cannot read the checkpoint's trainer state ({e}); give a complete "
-                          "checkpoint") from None
+        raise DflashError(
+            f"{state}: cannot read the checkpoint's trainer state ({e}); give a complete checkpoint"
+        ) from None
     if rec is not None:
         chat, source = ChatOptions.from_record(rec), f"recorded in {state}"
     elif target_spec.endswith(".toml"):
@@ -41,12 +43,14 @@ def chat_options(ckpt: Path, target_spec: str, kwargs: dict | None = None,
 
 
 def _prompt_error(path, line: int, field: str, msg: str) -> DflashError:
-    return DflashError(f"{path}:{line}: {field}: {msg}; each line must be {{\"messages\": [...]}} or "
-                       "{\"input_ids\": [...]}")
+    return DflashError(
+        f'{path}:{line}: {field}: {msg}; each line must be {{"messages": [...]}} or {{"input_ids": [...]}}'
+    )
 
 
-def load_prompts(path: str | Path, tokenizer_fn, vocab_size: int, limit: int | None = None,
-                 chat: ChatOptions | None = None) -> list[tuple[int, list[int]]]:
+def load_prompts(
+    path: str | Path, tokenizer_fn, vocab_size: int, limit: int | None = None, chat: ChatOptions | None = None
+) -> list[tuple[int, list[int]]]:
     """``[(line number, prompt ids)]``. ``messages`` lines are rendered with the chat template,
     `chat`'s options and the generation prompt, after dropping trailing assistant turns (a
     reference answer); ``tokenizer_fn()`` is called once, only if such a line exists."""
@@ -72,21 +76,33 @@ def load_prompts(path: str | Path, tokenizer_fn, vocab_size: int, limit: int | N
             raise _prompt_error(path, no, "line", "no messages or input_ids field")
         if "input_ids" in obj:
             ids = obj["input_ids"]
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+            ):
                 raise _prompt_error(path, no, "input_ids", "expected a non-empty list of integers")
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
-                raise _prompt_error(path, no, "input_ids", f"token id {bad[0]} is outside the target "
-                                    f"vocabulary 0..{vocab_size - 1}")
+                raise _prompt_error(
+                    path,
+                    no,
+                    "input_ids",
+                    f"token id {bad[0]} is outside the target vocabulary 0..{vocab_size - 1}",
+                )
         else:
             msgs = obj["messages"]
             if not isinstance(msgs, list) or not msgs:
-                raise _prompt_error(path, no, "messages", "expected a non-empty list of {role, content} objects")
+                raise _prompt_error(
+                    path, no, "messages", "expected a non-empty list of {role, content} objects"
+                )
             for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                        or not isinstance(m.get("content"), str):
-                    raise _prompt_error(path, no, f"messages[{i}]", "expected {\"role\": str, \"content\": str}")
+                if (
+                    not isinstance(m, dict)
+                    or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)
+                ):
+                    raise _prompt_error(path, no, f"messages[{i}]", 'expected {"role": str, "content": str}')
             while msgs and msgs[-1]["role"] == "assistant":
                 msgs = msgs[:-1]
             if not msgs:
@@ -94,13 +110,16 @@ def load_prompts(path: str | Path, tokenizer_fn, vocab_size: int, limit: int | N
             if tok is None:
                 tok = tokenizer_fn()
                 if chat.template is None and not getattr(tok, "chat_template", None):
-                    raise DflashError(f"{path}:{no}: messages: the target's tokenizer has no chat template; "
-                                      "give --chat-template FILE, or input_ids lines instead")
+                    raise DflashError(
+                        f"{path}:{no}: messages: the target's tokenizer has no chat template; "
+                        "give --chat-template FILE, or input_ids lines instead"
+                    )
             try:
                 text = chat.render(tok, msgs, True)
             except Exception as e:  # noqa: BLE001 - template errors are data errors
-                raise _prompt_error(path, no, "messages", f"the chat template rejected it "
-                                    f"({type(e).__name__}: {e})") from None
+                raise _prompt_error(
+                    path, no, "messages", f"the chat template rejected it ({type(e).__name__}: {e})"
+                ) from None
             ids = list(tok(text, add_special_tokens=False)["input_ids"])
         out.append((no, ids))
     if not out:

@@ -22,7 +22,6 @@ shortened so no more than ``--max-new-tokens`` are committed and a stop token en
 where the reference counts the whole last block: at most one step per prompt differs.
 """
 
-
 from __future__ import annotations
 
 import sys
@@ -33,7 +32,12 @@ import torch
 
 from dflash_staged.errors import DflashError
 from dflash_staged.evaluate.prompts import chat_options, load_prompts
-from dflash_staged.evaluate.speculative import DrafterProposer, acceptance_stats, greedy_generate, speculative_generate
+from dflash_staged.evaluate.speculative import (
+    DrafterProposer,
+    acceptance_stats,
+    greedy_generate,
+    speculative_generate,
+)
 
 
 def _say(msg: str, quiet: bool) -> None:
@@ -44,31 +48,45 @@ def _say(msg: str, quiet: bool) -> None:
 DEFAULT_MAX_NEW_TOKENS = 2048  # the reference benchmark's default
 
 
-def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-             device: str | None = None, limit: int | None = None, baseline: bool = True, quiet: bool = False,
-             chat_template_kwargs: dict | None = None, chat_template: str | Path | None = None) -> dict:
+def run_eval(
+    drafter_path,
+    target_spec: str,
+    prompts_path,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    *,
+    device: str | None = None,
+    limit: int | None = None,
+    baseline: bool = True,
+    quiet: bool = False,
+    chat_template_kwargs: dict | None = None,
+    chat_template: str | Path | None = None,
+) -> dict:
     """Speculative decoding of every prompt (and plain greedy, unless ``baseline=False``): the report.
 
     Prompts are rendered with the chat options of :func:`~dflash_staged.evaluate.prompts.chat_options`
     (the checkpoint's record, updated by `chat_template_kwargs`, template replaced by `chat_template`).
     """
     from dflash_staged.config import target_from_spec
-    from dflash_staged.train.checkpoint import resolve_checkpoint
-    from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids
     from dflash_staged.model.dims import target_dims
+    from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids
     from dflash_staged.model.weights import load_drafter, read_drafter_config
+    from dflash_staged.train.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(drafter_path, "--drafter")
     dcfg = read_drafter_config(ckpt)
     tcfg = target_from_spec(target_spec)
     num_layers, hidden, vocab = target_dims(tcfg)
     if dcfg.num_target_layers != num_layers or max(dcfg.target_layer_ids) >= num_layers:
-        raise DflashError(f"{ckpt}/config.json: the drafter taps layers {dcfg.target_layer_ids} of a "
-                          f"{dcfg.num_target_layers}-layer target, but {tcfg.model} has {num_layers} layers; "
-                          "evaluate it with the target it was trained on")
+        raise DflashError(
+            f"{ckpt}/config.json: the drafter taps layers {dcfg.target_layer_ids} of a "
+            f"{dcfg.num_target_layers}-layer target, but {tcfg.model} has {num_layers} layers; "
+            "evaluate it with the target it was trained on"
+        )
     if dcfg.hidden_size != hidden:
-        raise DflashError(f"{ckpt}/config.json: hidden_size {dcfg.hidden_size} differs from the target's "
-                          f"{hidden} ({tcfg.model}); evaluate it with the target it was trained on")
+        raise DflashError(
+            f"{ckpt}/config.json: hidden_size {dcfg.hidden_size} differs from the target's "
+            f"{hidden} ({tcfg.model}); evaluate it with the target it was trained on"
+        )
     tok_cache: list = []
 
     def tokenizer():
@@ -77,9 +95,14 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
         return tok_cache[0]
 
     chat, chat_source = chat_options(ckpt, target_spec, chat_template_kwargs, chat_template)
-    prompts = load_prompts(prompts_path, tokenizer, vocab, limit, chat)  # bad lines fail before the model loads
-    _say(f"chat template {chat.template_path or '(the tokenizer template)'} with {chat.kwargs}, from {chat_source}",
-         quiet)
+    prompts = load_prompts(
+        prompts_path, tokenizer, vocab, limit, chat
+    )  # bad lines fail before the model loads
+    _say(
+        f"chat template {chat.template_path or '(the tokenizer template)'} with {chat.kwargs}, from "
+        f"{chat_source}",
+        quiet,
+    )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     target = load_target(tcfg, device, layer_ids=list(dcfg.target_layer_ids))
@@ -103,8 +126,13 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
         accepted_all += out.accepted
         if out.accepted:  # a prompt that stopped at its first token has no verify step
             prompt_taus.append(sum(out.accepted) / len(out.accepted))
-        rec = {"line": line, "prompt_tokens": len(ids), "new_tokens": len(out.tokens),
-               "tau": round(sum(out.accepted) / max(1, len(out.accepted)), 4), "spec_s": round(dt, 3)}
+        rec = {
+            "line": line,
+            "prompt_tokens": len(ids),
+            "new_tokens": len(out.tokens),
+            "tau": round(sum(out.accepted) / max(1, len(out.accepted)), 4),
+            "spec_s": round(dt, 3),
+        }
         if baseline:
             t = time.perf_counter()
             ref = greedy_generate(target, ids, max_new_tokens, stop)
@@ -113,39 +141,65 @@ def run_eval(drafter_path, target_spec: str, prompts_path, max_new_tokens: int =
             rec.update(greedy_s=round(dt, 3), identical=ref == out.tokens)
             identical += ref == out.tokens
         per_prompt.append(rec)
-        _say(f"prompt {i + 1}/{len(prompts)} (line {line}): {len(out.tokens)} tokens, tau {rec['tau']:.2f}"
-             + (f", same as greedy: {rec['identical']}" if baseline else ""), quiet)
-    report = {**acceptance_stats(accepted_all, dcfg.block_size), "block_size": dcfg.block_size,
-              "tau_per_prompt_mean": sum(prompt_taus) / len(prompt_taus) if prompt_taus else 0.0,
-              "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-              "speculative": {"tokens": int(spec_tok), "seconds": round(spec_s, 3),
-                              "tokens_per_s": round(spec_tok / max(spec_s, 1e-9), 2)}}
+        _say(
+            f"prompt {i + 1}/{len(prompts)} (line {line}): {len(out.tokens)} tokens, tau {rec['tau']:.2f}"
+            + (f", same as greedy: {rec['identical']}" if baseline else ""),
+            quiet,
+        )
+    report = {
+        **acceptance_stats(accepted_all, dcfg.block_size),
+        "block_size": dcfg.block_size,
+        "tau_per_prompt_mean": sum(prompt_taus) / len(prompt_taus) if prompt_taus else 0.0,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "speculative": {
+            "tokens": int(spec_tok),
+            "seconds": round(spec_s, 3),
+            "tokens_per_s": round(spec_tok / max(spec_s, 1e-9), 2),
+        },
+    }
     if baseline:
-        report["greedy"] = {"tokens": int(greedy_tok), "seconds": round(greedy_s, 3),
-                            "tokens_per_s": round(greedy_tok / max(greedy_s, 1e-9), 2)}
+        report["greedy"] = {
+            "tokens": int(greedy_tok),
+            "seconds": round(greedy_s, 3),
+            "tokens_per_s": round(greedy_tok / max(greedy_s, 1e-9), 2),
+        }
         report["speedup"] = round(greedy_s / max(spec_s, 1e-9) * spec_tok / max(greedy_tok, 1), 3)
         report["lossless"] = {"identical_prompts": int(identical), "prompts": len(prompts)}
-    report.update(drafter=str(ckpt), target=tcfg.model, target_layer_ids=list(dcfg.target_layer_ids),
-                  prompts_file=str(prompts_path), device=str(device), dtype=str(target.dtype).replace("torch.", ""),
-                  stop_token_ids=stop, per_prompt=per_prompt,
-                  chat={"kwargs": chat.kwargs, "template": chat.template_path or None, "from": chat_source})
+    report.update(
+        drafter=str(ckpt),
+        target=tcfg.model,
+        target_layer_ids=list(dcfg.target_layer_ids),
+        prompts_file=str(prompts_path),
+        device=str(device),
+        dtype=str(target.dtype).replace("torch.", ""),
+        stop_token_ids=stop,
+        per_prompt=per_prompt,
+        chat={"kwargs": chat.kwargs, "template": chat.template_path or None, "from": chat_source},
+    )
     return report
 
 
 def format_report(r: dict) -> str:
     """A few human-readable lines."""
-    lines = [f"tau {r['tau_per_prompt_mean']:.3f} (mean over prompts of each prompt's mean, as the reference "
-             f"reports it); pooled over all steps {r['tau_pooled']:.3f} (block {r['block_size']}, {r['steps']} verify "
-             f"steps, {r['prompts']} prompts, max {r['max_new_tokens']} new tokens)",
-             "per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
-             "accepted-length histogram (1..B): " + " ".join(str(x) for x in r["accept_length_histogram"]),
-             f"speculative: {r['speculative']['tokens']} tokens in {r['speculative']['seconds']:.1f} s "
-             f"({r['speculative']['tokens_per_s']:.1f} tok/s)"]
+    lines = [
+        f"tau {r['tau_per_prompt_mean']:.3f} (mean over prompts of each prompt's mean, as the reference "
+        f"reports it); pooled over all steps {r['tau_pooled']:.3f} (block {r['block_size']}, {r['steps']} "
+        f"verify steps, {r['prompts']} prompts, max {r['max_new_tokens']} new tokens)",
+        "per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
+        "accepted-length histogram (1..B): " + " ".join(str(x) for x in r["accept_length_histogram"]),
+        f"speculative: {r['speculative']['tokens']} tokens in {r['speculative']['seconds']:.1f} s "
+        f"({r['speculative']['tokens_per_s']:.1f} tok/s)",
+    ]
     if r.get("chat"):
-        lines.append(f"chat template {r['chat']['template'] or '(the tokenizer template)'} with "
-                     f"{r['chat']['kwargs']}, from {r['chat']['from']}")
+        lines.append(
+            f"chat template {r['chat']['template'] or '(the tokenizer template)'} with "
+            f"{r['chat']['kwargs']}, from {r['chat']['from']}"
+        )
     if "greedy" in r:
         g, ll = r["greedy"], r["lossless"]
-        lines.append(f"plain greedy: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['tokens_per_s']:.1f} tok/s); "
-                     f"speedup {r['speedup']:.2f}x; identical outputs {ll['identical_prompts']}/{ll['prompts']}")
+        lines.append(
+            f"plain greedy: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['tokens_per_s']:.1f} tok/s); "
+            f"speedup {r['speedup']:.2f}x; identical outputs {ll['identical_prompts']}/{ll['prompts']}"
+        )
     return "\n".join(lines)

@@ -74,7 +74,7 @@ class DrafterProposer:
         if self.kv_cache:
             if self._cache.length > S:
                 self._cache.crop(S)  # only committed positions stay
-            new = context[self._cache.length:S].to(self.device)
+            new = context[self._cache.length : S].to(self.device)
             return self.drafter.draft_block(new, anchor, anchor_pos=S, cache=self._cache).argmax(-1)
         n = 0 if self._fused is None else self._fused.shape[0]
         if n > S:
@@ -102,8 +102,7 @@ def _first_stop(tokens: list[int], stop: set[int]) -> int | None:
 
 
 @torch.inference_mode()
-def speculative_generate(target, proposer, input_ids, max_new_tokens: int,
-                         stop_token_ids=()) -> SpecOutput:
+def speculative_generate(target, proposer, input_ids, max_new_tokens: int, stop_token_ids=()) -> SpecOutput:
     """Greedy speculative decoding (see the module docstring); ``proposer=None`` = no drafter."""
     if proposer is not None and not hasattr(proposer, "propose"):
         proposer = DrafterProposer(proposer)
@@ -125,26 +124,27 @@ def speculative_generate(target, proposer, input_ids, max_new_tokens: int,
         return SpecOutput(new, accepted)
     while len(new) < max_new_tokens:
         size = min(B, max_new_tokens - len(new))  # never commit more than asked for
-        block = tokens[s:s + 1].clone()
+        block = tokens[s : s + 1].clone()
         if size > 1:
-            drafts = proposer.propose(ctx[:s], tokens[:s + 1])[:size - 1]
+            drafts = proposer.propose(ctx[:s], tokens[: s + 1])[: size - 1]
             block = torch.cat([block, drafts.to(block)])
         snapshot = copy.deepcopy(cache) if size > 1 and not target.supports_crop else None
         logits, vtaps, cache = target.forward_with_taps(block[None], cache)
         posterior = logits[0].argmax(-1)
         a = int((block[1:] == posterior[:-1]).long().cumprod(0).sum())
-        commit = block[1:a + 1].tolist() + [int(posterior[a])]
+        commit = block[1 : a + 1].tolist() + [int(posterior[a])]
         end = _first_stop(commit, stop)
-        commit = commit if end is None else commit[:end + 1]
-        tokens[s + 1:s + 1 + len(commit)] = torch.tensor(commit, device=tokens.device)
+        commit = commit if end is None else commit[: end + 1]
+        tokens[s + 1 : s + 1 + len(commit)] = torch.tensor(commit, device=tokens.device)
         new += commit
         accepted.append(len(commit))
         if end is not None:
             break
         keep = a + 1  # verified positions s..s+a enter the cache and the context
-        ctx[s:s + keep] = vtaps[0, :keep]
+        ctx[s : s + keep] = vtaps[0, :keep]
         if target.supports_crop:
             from dflash_staged.model.target import crop_cache
+
             crop_cache(cache, s + keep)
         elif keep < size:
             _, _, cache = target.forward_with_taps(block[None, :keep], snapshot)
@@ -176,5 +176,10 @@ def acceptance_stats(accepted: list[int], block_size: int) -> dict:
         hist[k - 1] += 1
     rates = [sum(1 for k in accepted if k > j) / n if n else 0.0 for j in range(1, block_size)]
     tau = sum(accepted) / n if n else 0.0
-    return {"tau": tau, "tau_pooled": tau, "steps": n, "per_position_acceptance": rates,
-            "accept_length_histogram": hist}
+    return {
+        "tau": tau,
+        "tau_pooled": tau,
+        "steps": n,
+        "per_position_acceptance": rates,
+        "accept_length_histogram": hist,
+    }

@@ -49,19 +49,25 @@ def split_groups(devices: list[str], tp: int) -> list[list[str]]:
     if tp < 1:
         raise DflashError(f"--tp {tp}: the tensor-parallel size must be >= 1")
     if len(devices) % tp:
-        raise DflashError(f"--tp {tp} does not divide the {len(devices)} device(s) of --devices "
-                          f"{','.join(devices)}: give a multiple of {tp} devices (each worker gets {tp})")
-    groups = [devices[i:i + tp] for i in range(0, len(devices), tp)]
+        raise DflashError(
+            f"--tp {tp} does not divide the {len(devices)} device(s) of --devices "
+            f"{','.join(devices)}: give a multiple of {tp} devices (each worker gets {tp})"
+        )
+    groups = [devices[i : i + tp] for i in range(0, len(devices), tp)]
     for g in groups if tp > 1 else []:
         kinds = {torch.device(d).type for d in g}
         if len(kinds) > 1:
-            raise DflashError(f"--tp {tp}: the group {','.join(g)} mixes CPU and CUDA devices; a tensor-parallel "
-                              "group needs devices of one kind")
+            raise DflashError(
+                f"--tp {tp}: the group {','.join(g)} mixes CPU and CUDA devices; a tensor-parallel "
+                "group needs devices of one kind"
+            )
         if kinds == {"cuda"}:
             idx = [torch.device(d).index for d in g]
             if None in idx or len(set(idx)) != len(idx):
-                raise DflashError(f"--tp {tp}: the group {','.join(g)} needs {tp} distinct GPUs named with their "
-                                  "index, e.g. cuda:0,cuda:1")
+                raise DflashError(
+                    f"--tp {tp}: the group {','.join(g)} needs {tp} distinct GPUs named with their "
+                    "index, e.g. cuda:0,cuda:1"
+                )
     return groups
 
 
@@ -70,14 +76,16 @@ class GroupBroken(DflashError):
 
 
 @contextlib.contextmanager
-def _collective(group: "Group", what: str):
+def _collective(group: Group, what: str):
     try:
         yield
     except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses with multi-line texts
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise GroupBroken(f"rank {group.rank} of a tensor-parallel group of {group.size}: {what} failed "
-                          f"({type(e).__name__}: {first[:300]}); another rank of the group died or hung, so "
-                          "this one stops too") from None
+        raise GroupBroken(
+            f"rank {group.rank} of a tensor-parallel group of {group.size}: {what} failed "
+            f"({type(e).__name__}: {first[:300]}); another rank of the group died or hung, so "
+            "this one stops too"
+        ) from None
 
 
 class Group:
@@ -93,25 +101,36 @@ class Group:
         return self.rank == 0
 
     @classmethod
-    def join(cls, devices: list[str], rank: int, init_file: str, timeout_s: float) -> "Group":
+    def join(cls, devices: list[str], rank: int, init_file: str, timeout_s: float) -> Group:
         """Become rank ``rank`` of the group on ``devices``; call before anything touches CUDA."""
         import torch.distributed as td
+
         device = torch.device(devices[rank])
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(len(devices)), LOCAL_WORLD_SIZE=str(len(devices)),
-                          LOCAL_RANK=str(device.index if device.type == "cuda" else rank))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(len(devices)),
+            LOCAL_WORLD_SIZE=str(len(devices)),
+            LOCAL_RANK=str(device.index if device.type == "cuda" else rank),
+        )
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:  # a CPU group on a GPU machine must not let transformers pick the GPUs
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        td.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init_file}",
-                              rank=rank, world_size=len(devices), timeout=datetime.timedelta(seconds=timeout_s),
-                              **({"device_id": device} if device.type == "cuda" else {}))
+        td.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=len(devices),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **({"device_id": device} if device.type == "cuda" else {}),
+        )
         return cls(rank, len(devices), device)
 
     def send(self, msg: tuple) -> None:
         """Leader: broadcast one message to the followers."""
         if self.size > 1:
             import torch.distributed as td
+
             with _collective(self, f"sending {msg[0]!r}"):
                 td.broadcast_object_list([msg], src=0, device=self._comm)
             self._last_send = time.monotonic()
@@ -119,6 +138,7 @@ class Group:
     def recv(self) -> tuple:
         """Follower: the leader's next message."""
         import torch.distributed as td
+
         box = [None]
         with _collective(self, "waiting for the leader"):
             td.broadcast_object_list(box, src=0, device=self._comm)
@@ -134,6 +154,7 @@ class Group:
         if self.size == 1:
             return ok
         import torch.distributed as td
+
         flag = torch.tensor([int(ok)], dtype=torch.int32, device=self._comm)
         with _collective(self, "agreeing on the result"):
             td.all_reduce(flag, op=td.ReduceOp.MIN)
@@ -149,6 +170,7 @@ class Group:
     def close(self) -> None:
         if self.size > 1:
             import torch.distributed as td
+
             try:
                 td.destroy_process_group()
             except Exception:  # noqa: BLE001

@@ -60,20 +60,42 @@ def parse_devices(devices: str) -> list[str]:
                 raise DflashError(f"--devices: cannot read device {d!r}; use cuda:N") from None
             n = torch.cuda.device_count()
             if index is not None and index >= n:
-                raise DflashError(f"--devices {d}: this machine shows {n} GPU(s) (cuda:0..cuda:{n - 1}, after "
-                                  "CUDA_VISIBLE_DEVICES); pick devices that exist")
+                raise DflashError(
+                    f"--devices {d}: this machine shows {n} GPU(s) (cuda:0..cuda:{n - 1}, after "
+                    "CUDA_VISIBLE_DEVICES); pick devices that exist"
+                )
     return devs
 
 
-def options_from(manifest: str | Path, store: Path, devices: str, cfg: ExtractConfig, *, window=None,
-                 window_bytes=None, allow_slow_kernels=False, dtype=None, train_ranks=1, tp=1,
-                 trainer_coming=False) -> ExtractOptions:
+def options_from(
+    manifest: str | Path,
+    store: Path,
+    devices: str,
+    cfg: ExtractConfig,
+    *,
+    window=None,
+    window_bytes=None,
+    allow_slow_kernels=False,
+    dtype=None,
+    train_ranks=1,
+    tp=1,
+    trainer_coming=False,
+) -> ExtractOptions:
     """Command-line values over the manifest's ``[extract]`` snapshot."""
-    opts = ExtractOptions(manifest=manifest, store=store, devices=parse_devices(devices),
-                          window=window if window is not None else cfg.window,
-                          window_bytes=window_bytes if window_bytes is not None else cfg.window_bytes,
-                          lease_s=cfg.lease_s, max_attempts=cfg.max_attempts,
-                          allow_slow_kernels=allow_slow_kernels, dtype=dtype, train_ranks=train_ranks,
-                          collective_timeout_s=cfg.collective_timeout, tp=tp, trainer_coming=trainer_coming)
+    opts = ExtractOptions(
+        manifest=manifest,
+        store=store,
+        devices=parse_devices(devices),
+        window=window if window is not None else cfg.window,
+        window_bytes=window_bytes if window_bytes is not None else cfg.window_bytes,
+        lease_s=cfg.lease_s,
+        max_attempts=cfg.max_attempts,
+        allow_slow_kernels=allow_slow_kernels,
+        dtype=dtype,
+        train_ranks=train_ranks,
+        collective_timeout_s=cfg.collective_timeout,
+        tp=tp,
+        trainer_coming=trainer_coming,
+    )
     split_groups(opts.devices, tp)  # refuse a device count --tp does not divide, before anything starts
     return opts

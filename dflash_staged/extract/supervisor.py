@@ -46,7 +46,9 @@ from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.store import ShardStore
 
 GROUP_RESTARTS = 3  # restarts of a tensor-parallel group whose process was killed (kill -9, OOM killer)
-GROUP_GRACE_S = 10.0  # ranks still running this long after another rank of their group exited by itself are killed
+GROUP_GRACE_S = (
+    10.0  # ranks still running this long after another rank of their group exited by itself are killed
+)
 STOP_GRACE_S = 30.0  # at the end, workers still running (the supervisor failed) get this long to stop
 
 
@@ -69,8 +71,9 @@ class _Worker:
         self.procs = []
         for r in range(len(self.devices)):
             name = f"extract-{self.index}" + (f"-rank{r}" if init else "")
-            self.procs.append(SpawnedChild(ctx, name, worker_main,
-                                           (self.index, self.devices, r, opts, self.queue, init)))
+            self.procs.append(
+                SpawnedChild(ctx, name, worker_main, (self.index, self.devices, r, opts, self.queue, init))
+            )
 
     def kill(self) -> None:
         for p in self.procs:
@@ -88,10 +91,12 @@ def shard_bytes_max(m: Manifest, opts: ExtractOptions) -> int:
         from dflash_staged.model.dims import target_dims
         from dflash_staged.model.target import resolve_layer_ids
         from dflash_staged.store import bytes_per_token
+
         cfg = m.config
         dims = target_dims(cfg.target)
-        layers = m.meta.get("layer_ids") or resolve_layer_ids(cfg.target, dims.num_layers,
-                                                              cfg.drafter.num_hidden_layers)
+        layers = m.meta.get("layer_ids") or resolve_layer_ids(
+            cfg.target, dims.num_layers, cfg.drafter.num_hidden_layers
+        )
         dtype = resolve_dtype(opts.dtype or cfg.target.dtype, opts.devices[0])
         bpt = bytes_per_token(len(layers), dims.hidden_size, dtype.itemsize)
     return max((j.real_tokens for j in m.jobs()), default=0) * bpt
@@ -102,8 +107,9 @@ def run_extract(opts: ExtractOptions) -> int:
     return the exit code."""
     opts.trainer_deadline = time.time() + (TRAINER_COMING_S if opts.trainer_coming else TRAINER_GRACE_S)
     m = Manifest.open(opts.manifest)
-    window = WindowSettings(opts.window, opts.window_bytes, len(opts.groups),
-                            shard_bytes_max(m, opts) if opts.window_bytes else 0)
+    window = WindowSettings(
+        opts.window, opts.window_bytes, len(opts.groups), shard_bytes_max(m, opts) if opts.window_bytes else 0
+    )
     err, warn = window.check(m.config, opts.train_ranks)
     if err:
         raise DflashError(err)
@@ -112,13 +118,16 @@ def run_extract(opts: ExtractOptions) -> int:
     if opts.tp > 1:
         from dflash_staged.model.dims import target_text_config
         from dflash_staged.model.parallel import check_tp
+
         check_tp(target_text_config(m.config.target), opts.tp, f"target.model={m.config.target.model!r}")
     if m.counts()["failed"]:
         click.echo(f"retrying {m.retry_failed()} failed job(s)", err=True)
     if m.extract_done() and not _wait_for_trainer(m, opts):  # with a live trainer: stay for re-extractions
         g = m.progress()["jobs"]
-        click.echo(f"extract: nothing to do, every job of {m.meta['epochs']} epoch(s) is extracted "
-                   f"({g['extracted'] - g['trained']} written, {g['trained']} consumed)")
+        click.echo(
+            f"extract: nothing to do, every job of {m.meta['epochs']} epoch(s) is extracted "
+            f"({g['extracted'] - g['trained']} written, {g['trained']} consumed)"
+        )
         return 0
     _remove_dead_leftovers(opts, m)
     m.set_meta(WindowSettings.KEY, window.to_meta())
@@ -164,12 +173,17 @@ class ExtractSupervisor:
         """The closing lines, and the exit code."""
         m, opts, stopped = self.m, self.opts, self.children.stopping
         c, g, win = m.counts(), m.progress()["jobs"], m.window()
-        click.echo(f"extract: {'finished' if m.extract_done() else 'stopped'}: {c['written']} written, "
-                   f"{g['trained']} consumed, {c['pending']} pending, {c['failed']} failed "
-                   f"| window {win['shards']} shards, {win['bytes']:,} bytes")
+        click.echo(
+            f"extract: {'finished' if m.extract_done() else 'stopped'}: {c['written']} written, "
+            f"{g['trained']} consumed, {c['pending']} pending, {c['failed']} failed "
+            f"| window {win['shards']} shards, {win['bytes']:,} bytes"
+        )
         if opts.trainer_coming and not opts.trainer_seen and not stopped:
-            click.echo(f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
-                       "although the launcher started one; check its output", err=True)
+            click.echo(
+                f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
+                "although the launcher started one; check its output",
+                err=True,
+            )
         if any(w.code == EXIT_DISK_FULL for w in self.workers):
             return EXIT_DISK_FULL
         if c["failed"]:
@@ -197,8 +211,11 @@ class ExtractSupervisor:
             done = total - prog["jobs"]["to_extract"] - c["failed"]
             rate = (prog["tokens"]["extracted"] - tokens0) / max(1e-9, time.time() - t0)
             wait = "waiting: window full" if win["shards"] >= opts.window and c["pending"] else "working"
-            progress.show(done, f"jobs {done}/{total} | {rate:,.0f} real tok/s | window {win['shards']}/"
-                                f"{opts.window} shards {win['bytes'] / 2**20:,.1f} MiB | {wait}")
+            progress.show(
+                done,
+                f"jobs {done}/{total} | {rate:,.0f} real tok/s | window {win['shards']}/"
+                f"{opts.window} shards {win['bytes'] / 2**20:,.1f} MiB | {wait}",
+            )
             if all(w.code is not None for w in self.workers):
                 return
             time.sleep(POLL_S)
@@ -208,8 +225,11 @@ class ExtractSupervisor:
         if len(w.procs) == 1:
             w.code = w.procs[0].poll()
             if w.code not in (None, 0, EXIT_DISK_FULL) and not self.children.stopping:
-                click.echo(f"extract: worker {w.index} ({w.devices[0]}, pid {w.procs[0].pid}) died with "
-                           f"exit code {w.code}; its job will be reclaimed, the other workers go on", err=True)
+                click.echo(
+                    f"extract: worker {w.index} ({w.devices[0]}, pid {w.procs[0].pid}) died with "
+                    f"exit code {w.code}; its job will be reclaimed, the other workers go on",
+                    err=True,
+                )
                 _remove_dead_leftovers(self.opts, self.m)  # its half-written shard, if any
         else:
             self._check_group(w)
@@ -237,14 +257,19 @@ class ExtractSupervisor:
         if code == EXIT_DISK_FULL or self.children.stopping:
             w.code = code
             return
-        again = bool(killed) and w.restarts < GROUP_RESTARTS and (not self.m.extract_done()
-                                                                  or should_stay(self.m, self.opts))
+        again = (
+            bool(killed)
+            and w.restarts < GROUP_RESTARTS
+            and (not self.m.extract_done() or should_stay(self.m, self.opts))
+        )
         how = "was killed" if killed else "exited with an error"
-        click.echo(f"extract: worker {w.index} (tensor-parallel group {','.join(w.devices)}, leader pid "
-                   f"{w.procs[0].pid}): rank {rank} (pid {w.procs[rank].pid}) {how} (exit code {code}); the "
-                   "whole group is stopped and a job it held goes back to pending; "
-                   + (f"restarting it ({w.restarts + 1} of {GROUP_RESTARTS})" if again
-                      else "not restarting it"), err=True)
+        click.echo(
+            f"extract: worker {w.index} (tensor-parallel group {','.join(w.devices)}, leader pid "
+            f"{w.procs[0].pid}): rank {rank} (pid {w.procs[rank].pid}) {how} (exit code {code}); the "
+            "whole group is stopped and a job it held goes back to pending; "
+            + (f"restarting it ({w.restarts + 1} of {GROUP_RESTARTS})" if again else "not restarting it"),
+            err=True,
+        )
         if again:
             w.restarts += 1
             w.start(self.ctx, self.opts, self.tmp)
@@ -275,16 +300,22 @@ def _wait_for_trainer(m: Manifest, opts: ExtractOptions) -> bool:
         while should_stay(m, opts) and not opts.trainer_seen:
             if not said:
                 left = opts.trainer_deadline - time.time()
-                click.echo(f"extract: every job is extracted; waiting up to {left:.0f} s for a trainer to "
-                           "register (it may send damaged shards back for re-extraction)", err=True)
+                click.echo(
+                    f"extract: every job is extracted; waiting up to {left:.0f} s for a trainer to "
+                    "register (it may send damaged shards back for re-extraction)",
+                    err=True,
+                )
                 said = True
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         click.echo("extract: interrupted while waiting for a trainer", err=True)
         sys.exit(130)
     if said and not opts.trainer_seen and opts.trainer_coming:
-        click.echo(f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
-                   "although the launcher started one; leaving (check the trainer's output)", err=True)
+        click.echo(
+            f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
+            "although the launcher started one; leaving (check the trainer's output)",
+            err=True,
+        )
     return opts.trainer_seen
 
 

@@ -99,9 +99,12 @@ class Publisher:
 
     def __init__(self, opts: ExtractOptions, store: ShardStore, lease: Lease, max_pending: int = 1):
         from dflash_staged.extract.writer import ShardWriter
+
         self.opts, self.store, self.lease = opts, store, lease
         self.writer = ShardWriter(store, max_pending=max_pending, stage_only=True)
-        self._m = Manifest.open(opts.manifest)  # the writer thread's own handle (opened now: it may not open later)
+        self._m = Manifest.open(
+            opts.manifest
+        )  # the writer thread's own handle (opened now: it may not open later)
 
     @property
     def error(self) -> BaseException | None:
@@ -110,8 +113,16 @@ class Publisher:
     def submit(self, job: Job, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids) -> None:
         if self.writer.error is not None:
             raise self.writer.error
-        self.writer.submit(job.epoch, job.id, hidden, input_ids, loss_mask, cu_seqlens, sample_ids,
-                           on_done=lambda result, job=job: self._done(job, result))
+        self.writer.submit(
+            job.epoch,
+            job.id,
+            hidden,
+            input_ids,
+            loss_mask,
+            cu_seqlens,
+            sample_ids,
+            on_done=lambda result, job=job: self._done(job, result),
+        )
 
     def _done(self, job: Job, result) -> None:  # runs on the writer thread
         try:
@@ -119,11 +130,16 @@ class Publisher:
                 self._m.give_back(job, f"disk full: {result}")
             elif isinstance(result, BaseException):
                 self._m.fail(job, f"write failed: {type(result).__name__}: {result}", self.opts.max_attempts)
-            elif not self._m.publish(job, result.info.nbytes, result.info.checksum,
-                                     commit=lambda: self.store.commit_staged(result)):
+            elif not self._m.publish(
+                job, result.info.nbytes, result.info.checksum, commit=lambda: self.store.commit_staged(result)
+            ):
                 self.store.discard_staged(result)  # the claim was lost: never publish
-                print(f"extract: job {job.id}: this worker's claim was lost (lease expired, the job went to another "
-                      "worker); its shard was discarded", file=sys.stderr, flush=True)
+                print(
+                    f"extract: job {job.id}: this worker's claim was lost (lease expired, the job went to "
+                    "another worker); its shard was discarded",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             self.lease.drop(job)
 
@@ -138,6 +154,7 @@ class Publisher:
 def batch_tensors(m: Manifest, job: Job):
     """The job's samples: right-padded ids + mask for the target, and the packed arrays of its shard."""
     from dflash_staged.model.target import pad_batch
+
     seqs, masks = [], []
     for sid in job.sample_ids:
         tok, mask = m.sample(sid)
@@ -149,14 +166,27 @@ def batch_tensors(m: Manifest, job: Job):
     loss_mask = torch.cat(masks).to(torch.uint8)
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return input_ids, attention_mask, lengths, packed_ids, loss_mask, cu, torch.tensor(job.sample_ids, dtype=torch.int64)
+    return (
+        input_ids,
+        attention_mask,
+        lengths,
+        packed_ids,
+        loss_mask,
+        cu,
+        torch.tensor(job.sample_ids, dtype=torch.int64),
+    )
 
 
 def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardStore:
     """Create (atomically) or open the store for this manifest and target; record bytes per token."""
-    meta = StoreMeta(manifest_id=m.manifest_id, target_id=target.target_id, layer_ids=list(target.layer_ids),
-                     hidden_size=target.hidden_size, logical_dtype=dtype_name(target.dtype),
-                     compression=cfg.extract.compression)
+    meta = StoreMeta(
+        manifest_id=m.manifest_id,
+        target_id=target.target_id,
+        layer_ids=list(target.layer_ids),
+        hidden_size=target.hidden_size,
+        logical_dtype=dtype_name(target.dtype),
+        compression=cfg.extract.compression,
+    )
     store = ShardStore.create_or_open(store_root, meta)
     bpt = bytes_per_token(len(target.layer_ids), target.hidden_size, target.dtype.itemsize)
     if m.meta.get("bytes_per_token") != bpt:
@@ -164,8 +194,10 @@ def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardS
     if m.meta.get("layer_ids") in (None, []):
         m.set_meta("layer_ids", list(target.layer_ids))
     elif list(m.meta["layer_ids"]) != list(target.layer_ids):
-        raise DflashError(f"{m.address} was planned for tapped layers {m.meta['layer_ids']} but the target resolves "
-                          f"{target.layer_ids}; re-plan or set target.target_layer_ids")
+        raise DflashError(
+            f"{m.address} was planned for tapped layers {m.meta['layer_ids']} but the target resolves "
+            f"{target.layer_ids}; re-plan or set target.target_layer_ids"
+        )
     return store
 
 
@@ -187,10 +219,20 @@ def should_stay(m: Manifest, opts: ExtractOptions) -> bool:
     return not opts.trainer_seen and time.time() < opts.trainer_deadline
 
 
-def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: ExtractOptions, rank: int, status_q,
-          keep_going, group: Group) -> None:
+def _loop(
+    m: Manifest,
+    target,
+    publisher: Publisher,
+    lease: Lease,
+    opts: ExtractOptions,
+    rank: int,
+    status_q,
+    keep_going,
+    group: Group,
+) -> None:
     """Claim, compute, hand over, until nothing is left (or ``keep_going()`` turns false)."""
     from dflash_staged.model.target import pack_unpadded
+
     worker_id = f"w{rank}-{os.getpid()}"
     while keep_going():
         if publisher.error is not None:
@@ -229,8 +271,9 @@ def _loop(m: Manifest, target, publisher: Publisher, lease: Lease, opts: Extract
         publisher.submit(job, hidden, packed_ids, loss_mask, cu, sample_ids)
 
 
-def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions, status_q,
-                init_file: str | None = None) -> None:
+def worker_main(
+    index: int, devices: list[str], rank: int, opts: ExtractOptions, status_q, init_file: str | None = None
+) -> None:
     """Rank ``rank`` of extract worker ``index`` (one process on ``devices[0]``, or one rank of a
     tensor-parallel group on ``devices``). Exit code 0 = done/stopped, 3 = disk full, 2 = error.
     Reports go to ``status_q`` (:mod:`dflash_staged.extract.messages`)."""
@@ -248,12 +291,17 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
         torch.set_num_threads(n or max(1, (os.cpu_count() or 1) // max(1, len(opts.devices))))
     who = index if rank == 0 else f"{index} rank {rank}"
     try:
-        group = (Group.join(devices, rank, init_file, opts.collective_timeout_s) if len(devices) > 1
-                 else Group())
+        group = (
+            Group.join(devices, rank, init_file, opts.collective_timeout_s) if len(devices) > 1 else Group()
+        )
     except Exception as e:  # noqa: BLE001 - e.g. a sibling died before the group met
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        status_q.put(WorkerError(who, f"cannot join the tensor-parallel group on {','.join(devices)}: "
-                                      f"{type(e).__name__}: {first}"))
+        status_q.put(
+            WorkerError(
+                who,
+                f"cannot join the tensor-parallel group on {','.join(devices)}: {type(e).__name__}: {first}",
+            )
+        )
         sys.exit(EXIT_ERROR)
     m = Manifest.open(opts.manifest, readonly=not group.leader)
     cfg = m.config
@@ -261,10 +309,16 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
         cfg.target.dtype = opts.dtype
     cfg.target.allow_slow_kernels = cfg.target.allow_slow_kernels or opts.allow_slow_kernels
     from dflash_staged.model.target import load_target
+
     error = None
     try:
-        target = load_target(cfg.target, device, layer_ids=m.meta.get("layer_ids") or None,
-                             num_draft_layers=cfg.drafter.num_hidden_layers, tp=group.size)
+        target = load_target(
+            cfg.target,
+            device,
+            layer_ids=m.meta.get("layer_ids") or None,
+            num_draft_layers=cfg.drafter.num_hidden_layers,
+            tp=group.size,
+        )
         store = open_store_for(m, opts.store, target, cfg) if group.leader else None
     except Exception as e:  # noqa: BLE001 - reported; every rank of a group stops together
         error = (e, traceback.format_exc())
@@ -298,8 +352,17 @@ def worker_main(index: int, devices: list[str], rank: int, opts: ExtractOptions,
     lease.start()
     code = 0
     try:
-        _loop(m, target, publisher, lease, opts, index, status_q,
-              keep_going=lambda: not stop.is_set() and os.getppid() == parent, group=group)
+        _loop(
+            m,
+            target,
+            publisher,
+            lease,
+            opts,
+            index,
+            status_q,
+            keep_going=lambda: not stop.is_set() and os.getppid() == parent,
+            group=group,
+        )
         publisher.close()
     except BaseException as e:  # noqa: BLE001
         code = EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -64,9 +64,17 @@ class ShardWriter:
         self._thread = threading.Thread(target=self._run, name="dflash-shard-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids: torch.Tensor,
-               loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, sample_ids: torch.Tensor,
-               on_done: OnDone) -> None:
+    def submit(
+        self,
+        epoch: int,
+        job_id: int,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        sample_ids: torch.Tensor,
+        on_done: OnDone,
+    ) -> None:
         if self._closed:
             raise RuntimeError("ShardWriter.submit after close")
         self._slots.acquire()
@@ -94,7 +102,7 @@ class ShardWriter:
         self._stream.wait_stream(current)  # the producer's kernels must finish before the copy
         with torch.cuda.stream(self._stream):
             for t, off, n in zip(tensors, offsets, sizes):
-                dst = buf[off:off + n].view(t.dtype).view(t.shape)
+                dst = buf[off : off + n].view(t.dtype).view(t.shape)
                 if t.is_cuda:
                     t.record_stream(self._stream)  # keep the allocator from reusing t's memory early
                     dst.copy_(t.contiguous() if not t.is_contiguous() else t, non_blocking=True)
@@ -147,7 +155,7 @@ class ShardWriter:
         if self._error is not None:
             raise self._error
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:

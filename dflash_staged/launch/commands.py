@@ -17,29 +17,72 @@ from dflash_staged.sizes import ByteSize
 
 def _common(fn):
     opts = [
-        click.option("--config", "config", required=True, type=click.Path(path_type=Path),
-                     help="Config TOML (planned into WORKDIR/manifest unless that holds this plan already)."),
-        click.option("--data", "data", required=True, type=click.Path(path_type=Path),
-                     help="Data to plan: JSONL, parquet or a saved dataset (as for dflash plan)."),
-        click.option("--workdir", required=True, type=click.Path(path_type=Path),
-                     help="Holds manifest/, store/ (shards; put it on NVMe) and run/ (checkpoints, metrics)."),
-        click.option("--manifest", default=None,
-                     help="Manifest address instead of WORKDIR/manifest, e.g. postgresql://USER@HOST:PORT/DB#NAME."),
+        click.option(
+            "--config",
+            "config",
+            required=True,
+            type=click.Path(path_type=Path),
+            help="Config TOML (planned into WORKDIR/manifest unless that holds this plan already).",
+        ),
+        click.option(
+            "--data",
+            "data",
+            required=True,
+            type=click.Path(path_type=Path),
+            help="Data to plan: JSONL, parquet or a saved dataset (as for dflash plan).",
+        ),
+        click.option(
+            "--workdir",
+            required=True,
+            type=click.Path(path_type=Path),
+            help="Holds manifest/, store/ (shards; put it on NVMe) and run/ (checkpoints, metrics).",
+        ),
+        click.option(
+            "--manifest",
+            default=None,
+            help="Manifest address instead of WORKDIR/manifest, e.g. postgresql://USER@HOST:PORT/DB#NAME.",
+        ),
         click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True),
         click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
-        click.option("--window", type=click.IntRange(min=1), default=None,
-                     help="Shards claimed/written/consumed but not released [default: extract.window]."),
-        click.option("--window-bytes", type=ByteSize(zero="no limit"), default=None,
-                     help="Byte cap of the window, e.g. 200G; 0 = no limit [default: extract.window_bytes]."),
+        click.option(
+            "--window",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Shards claimed/written/consumed but not released [default: extract.window].",
+        ),
+        click.option(
+            "--window-bytes",
+            type=ByteSize(zero="no limit"),
+            default=None,
+            help="Byte cap of the window, e.g. 200G; 0 = no limit [default: extract.window_bytes].",
+        ),
         click.option("--keep-shards", is_flag=True, help="Keep consumed shards for later `train --replay`."),
-        click.option("--allow-slow-kernels", is_flag=True, help="Hybrid target on CUDA without fla/causal-conv1d."),
-        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Extract devices per worker: a tensor-parallel target over each group of TP."),
-        click.option("--status-every", type=float, default=10.0, show_default=True,
-                     help="Seconds between combined status lines."),
-        click.option("--summary-json", type=click.Path(path_type=Path), default=None,
-                     help="Also write the final summary as JSON here."),
-        click.option("--dry-run", is_flag=True, help="Print the processes it would start (commands + env); start none."),
+        click.option(
+            "--allow-slow-kernels", is_flag=True, help="Hybrid target on CUDA without fla/causal-conv1d."
+        ),
+        click.option(
+            "--tp",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Extract devices per worker: a tensor-parallel target over each group of TP.",
+        ),
+        click.option(
+            "--status-every",
+            type=float,
+            default=10.0,
+            show_default=True,
+            help="Seconds between combined status lines.",
+        ),
+        click.option(
+            "--summary-json",
+            type=click.Path(path_type=Path),
+            default=None,
+            help="Also write the final summary as JSON here.",
+        ),
+        click.option(
+            "--dry-run", is_flag=True, help="Print the processes it would start (commands + env); start none."
+        ),
         click.argument("train_args", nargs=-1, type=click.UNPROCESSED),
     ]
     for o in reversed(opts):
@@ -51,10 +94,11 @@ def _run_layout(layout, status_every: float, summary_json: Path | None, dry_run:
     if dry_run:
         if layout.plan_cmd is None:
             print(f"[dry-run] plan: skipped ({layout.manifest} already holds this plan)", flush=True)
-        for line in (layout.disk_notes() if layout.disk_notes else []):
+        for line in layout.disk_notes() if layout.disk_notes else []:
             print(f"[dry-run] {line}", flush=True)
     after = None
     if layout.disk_notes and not dry_run:
+
         def after():
             try:
                 lines = layout.disk_notes()
@@ -62,12 +106,25 @@ def _run_layout(layout, status_every: float, summary_json: Path | None, dry_run:
                 lines = [f"disk arithmetic unavailable: {type(e).__name__}: {e}"]
             for line in lines:
                 click.echo(f"[launch] {line}")
+
     if not dry_run and layout.plan_cmd is None:
         click.echo(f"[launch] {layout.manifest} already holds this plan; not re-planning")
     from dflash_staged.launch.supervise import run_side_by_side
-    return run_side_by_side(layout.plan_cmd, layout.extract.cmd, layout.train.cmd, layout.extract.env,
-                            layout.train.env, manifest=layout.manifest, store=layout.store, run_dir=layout.run_dir,
-                            status_every=status_every, summary_path=summary_json, after_plan=after, dry_run=dry_run)
+
+    return run_side_by_side(
+        layout.plan_cmd,
+        layout.extract.cmd,
+        layout.train.cmd,
+        layout.extract.env,
+        layout.train.env,
+        manifest=layout.manifest,
+        store=layout.store,
+        run_dir=layout.run_dir,
+        status_every=status_every,
+        summary_path=summary_json,
+        after_plan=after,
+        dry_run=dry_run,
+    )
 
 
 _CTX = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
@@ -75,40 +132,115 @@ _CTX = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 
 @click.command(context_settings=_CTX)
 @_common
-@click.option("--devices", default="cpu", show_default=True, help="Extract workers: cpu, cpu,cpu or cuda:0,...")
+@click.option(
+    "--devices", default="cpu", show_default=True, help="Extract workers: cpu, cpu,cpu or cuda:0,..."
+)
 @user_errors
-def pipeline(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels, tp,
-             status_every, summary_json, dry_run, train_args, devices):
+def pipeline(
+    config,
+    data,
+    workdir,
+    manifest,
+    epochs,
+    seed,
+    window,
+    window_bytes,
+    keep_shards,
+    allow_slow_kernels,
+    tp,
+    status_every,
+    summary_json,
+    dry_run,
+    train_args,
+    devices,
+):
     """Plan if needed, then extract on --devices and train, side by side.
 
     Arguments after the options (e.g. `-- --max-steps 100 --set train.lr=1e-3`) go to `dflash train`.
     """
-    layout = pipeline_layout(config, data, workdir, devices=devices, epochs=epochs, seed=seed, window=window,
-                             window_bytes=window_bytes, keep_shards=keep_shards,
-                             allow_slow_kernels=allow_slow_kernels, train_args=train_args, manifest=manifest, tp=tp)
+    layout = pipeline_layout(
+        config,
+        data,
+        workdir,
+        devices=devices,
+        epochs=epochs,
+        seed=seed,
+        window=window,
+        window_bytes=window_bytes,
+        keep_shards=keep_shards,
+        allow_slow_kernels=allow_slow_kernels,
+        train_args=train_args,
+        manifest=manifest,
+        tp=tp,
+    )
     sys.exit(_run_layout(layout, status_every, summary_json, dry_run))
 
 
 @click.command(context_settings=_CTX)
 @_common
-@click.option("--extract-gpus", required=True,
-              help="GPUs running the target, one extract worker each (with --tp N: each N): 0,1,2,3 or 0-3.")
-@click.option("--train-gpus", required=True, help="GPUs training the drafter (torchrun ranks): 4,5,6,7 or 4-7.")
-@click.option("--target-tok-s", type=float, default=None,
-              help="Assumed extract tokens/s per extract worker (one GPU, or one group of --tp GPUs), for the "
-                   "disk bandwidth it prints [default: 8000, an 8B dense target in bf16 on an H100-class GPU].")
-@click.option("--hidden-size", type=click.IntRange(min=1), default=None,
-              help="Target hidden size, when it cannot be read offline.")
+@click.option(
+    "--extract-gpus",
+    required=True,
+    help="GPUs running the target, one extract worker each (with --tp N: each N): 0,1,2,3 or 0-3.",
+)
+@click.option(
+    "--train-gpus", required=True, help="GPUs training the drafter (torchrun ranks): 4,5,6,7 or 4-7."
+)
+@click.option(
+    "--target-tok-s",
+    type=float,
+    default=None,
+    help="Assumed extract tokens/s per extract worker (one GPU, or one group of --tp GPUs), for the "
+    "disk bandwidth it prints [default: 8000, an 8B dense target in bf16 on an H100-class GPU].",
+)
+@click.option(
+    "--hidden-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Target hidden size, when it cannot be read offline.",
+)
 @user_errors
-def node(config, data, workdir, manifest, epochs, seed, window, window_bytes, keep_shards, allow_slow_kernels, tp,
-         status_every, summary_json, dry_run, train_args, extract_gpus, train_gpus, target_tok_s, hidden_size):
+def node(
+    config,
+    data,
+    workdir,
+    manifest,
+    epochs,
+    seed,
+    window,
+    window_bytes,
+    keep_shards,
+    allow_slow_kernels,
+    tp,
+    status_every,
+    summary_json,
+    dry_run,
+    train_args,
+    extract_gpus,
+    train_gpus,
+    target_tok_s,
+    hidden_size,
+):
     """One GPU node: extract on --extract-gpus, train under torchrun on --train-gpus, side by side.
 
     Arguments after the options (e.g. `-- --max-steps 100`) go to `dflash train`.
     """
-    layout = node_layout(config, data, workdir, extract_gpus=extract_gpus, train_gpus=train_gpus, epochs=epochs,
-                         seed=seed, window=window, window_bytes=window_bytes, keep_shards=keep_shards,
-                         allow_slow_kernels=allow_slow_kernels,
-                         target_tok_s=target_tok_s or DEFAULT_TARGET_TOK_S, hidden_size=hidden_size,
-                         train_args=train_args, manifest=manifest, tp=tp)
+    layout = node_layout(
+        config,
+        data,
+        workdir,
+        extract_gpus=extract_gpus,
+        train_gpus=train_gpus,
+        epochs=epochs,
+        seed=seed,
+        window=window,
+        window_bytes=window_bytes,
+        keep_shards=keep_shards,
+        allow_slow_kernels=allow_slow_kernels,
+        target_tok_s=target_tok_s or DEFAULT_TARGET_TOK_S,
+        hidden_size=hidden_size,
+        train_args=train_args,
+        manifest=manifest,
+        tp=tp,
+    )
     sys.exit(_run_layout(layout, status_every, summary_json, dry_run))

@@ -14,8 +14,12 @@ from pathlib import Path
 from dflash_staged.store import bytes_per_token
 
 # Hidden sizes of the recipe targets, for the disk arithmetic when the model is not on local disk.
-KNOWN_HIDDEN = {"Qwen/Qwen3-8B": 4096, "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.6-35B-A3B": 2048,
-                "Qwen/Qwen3.5-122B-A10B": 3072}
+KNOWN_HIDDEN = {
+    "Qwen/Qwen3-8B": 4096,
+    "Qwen/Qwen3.5-27B": 5120,
+    "Qwen/Qwen3.6-35B-A3B": 2048,
+    "Qwen/Qwen3.5-122B-A10B": 3072,
+}
 
 
 def target_hidden_size(model: str, override: int | None = None) -> int | None:
@@ -26,6 +30,7 @@ def target_hidden_size(model: str, override: int | None = None) -> int | None:
     from dflash_staged.config import TargetConfig
     from dflash_staged.errors import DflashError
     from dflash_staged.model.dims import target_dims
+
     try:
         return target_dims(TargetConfig(model=model), local_only=True).hidden_size
     except DflashError:
@@ -46,17 +51,26 @@ def _workers(n_gpus: int, tp: int) -> str:
     return f"{n_gpus // tp} worker(s) ({n_gpus} extract GPUs in tensor-parallel groups of {tp})"
 
 
-def disk_requirements(config: Path, n_gpus: int, tok_s_per_worker: float, hidden_override: int | None,
-                      manifest: Path | str | None, window: int | None, itemsize: int | None = None,
-                      tp: int = 1) -> tuple[dict, list[str]]:
+def disk_requirements(
+    config: Path,
+    n_gpus: int,
+    tok_s_per_worker: float,
+    hidden_override: int | None,
+    manifest: Path | str | None,
+    window: int | None,
+    itemsize: int | None = None,
+    tp: int = 1,
+) -> tuple[dict, list[str]]:
     """Bytes/token, write + read bandwidth and window disk of a node layout: (numbers, printable lines).
     `n_gpus` extract GPUs make `n_gpus // tp` workers of `tok_s_per_worker` each. `itemsize` defaults
     to the target dtype on CUDA (auto = bfloat16: 2 bytes)."""
     from dflash_staged.config import load_config
+
     cfg = load_config(config)
     itemsize = itemsize or {"float32": 4}.get(cfg.target.dtype, 2)
     layer_ids, avg_tokens, exact = None, float(cfg.data.token_budget), False
     from dflash_staged.manifest import Manifest
+
     if manifest is not None and Manifest.exists(manifest):
         with Manifest.open(manifest, readonly=True) as m:
             layer_ids = m.meta.get("layer_ids")
@@ -66,22 +80,37 @@ def disk_requirements(config: Path, n_gpus: int, tok_s_per_worker: float, hidden
     hidden = target_hidden_size(cfg.target.model, hidden_override)
     window = window if window is not None else cfg.extract.window
     workers = n_gpus // tp
-    d = {"k": k, "hidden": hidden, "itemsize": itemsize, "extract_gpus": n_gpus, "tp": tp, "extract_workers": workers,
-         "tok_s_per_worker": tok_s_per_worker, "window": window, "avg_tokens_per_job": avg_tokens, "avg_exact": exact}
+    d = {
+        "k": k,
+        "hidden": hidden,
+        "itemsize": itemsize,
+        "extract_gpus": n_gpus,
+        "tp": tp,
+        "extract_workers": workers,
+        "tok_s_per_worker": tok_s_per_worker,
+        "window": window,
+        "avg_tokens_per_job": avg_tokens,
+        "avg_exact": exact,
+    }
     if hidden is None:
-        return d, [f"disk: hidden size of {cfg.target.model!r} unknown offline; pass --hidden-size H for the "
-                   "bandwidth and window arithmetic"]
+        return d, [
+            f"disk: hidden size of {cfg.target.model!r} unknown offline; pass --hidden-size H for the "
+            "bandwidth and window arithmetic"
+        ]
     bpt = bytes_per_token(k, hidden, itemsize)
     write = tok_s_per_worker * workers * bpt
     win = window * avg_tokens * bpt
     d.update(bytes_per_token=bpt, write_Bps=write, store_Bps=2 * write, window_bytes=win)
     lines = [
-        f"bytes per token: K={k} tapped layers x hidden {hidden} x {itemsize} B + 5 B (id, loss mask) = {bpt:,} B",
-        f"disk bandwidth: {tok_s_per_worker:,.0f} tok/s per extract worker (--target-tok-s) x {_workers(n_gpus, tp)}"
+        f"bytes per token: K={k} tapped layers x hidden {hidden} x {itemsize} B + 5 B (id, loss mask) = "
+        f"{bpt:,} B",
+        f"disk bandwidth: {tok_s_per_worker:,.0f} tok/s per extract worker (--target-tok-s) x "
+        f"{_workers(n_gpus, tp)}"
         f" x {bpt:,} B = {_si(write)}/s written; each byte is read once by train, so the store must sustain "
         f"{_si(2 * write)}/s (write + read)",
         f"window disk: {window} shards x {avg_tokens:,.0f} real tokens per job "
-        f"({'plan average' if exact else 'upper bound: data.token_budget; exact after planning'}) x {bpt:,} B "
+        f"({'plan average' if exact else 'upper bound: data.token_budget; exact after planning'}) x {bpt:,} "
+        f"B "
         f"= {_si(win)} (extract.window_bytes / --window-bytes caps it)",
     ]
     return d, lines

@@ -51,8 +51,10 @@ class Monitor:
             return None
         w = st["window"]
         if w["shards"] > self.peak_window["shards"] or w["bytes"] > self.peak_window["bytes"]:
-            self.peak_window = {"shards": max(w["shards"], self.peak_window["shards"]),
-                                "bytes": max(w["bytes"], self.peak_window["bytes"])}
+            self.peak_window = {
+                "shards": max(w["shards"], self.peak_window["shards"]),
+                "bytes": max(w["bytes"], self.peak_window["bytes"]),
+            }
         return st
 
     def line(self) -> str | None:
@@ -63,10 +65,12 @@ class Monitor:
         j, total = st["jobs"], max(1, st["total_jobs"])
         extracted, trained = st["groups"]["extracted"], st["groups"]["trained"]
         w = st["window"]
-        return (f"jobs extracted {extracted}/{total}, trained {trained}/{total}"
-                f"{', failed ' + str(j['failed']) if j['failed'] else ''} | window {w['shards']} shards "
-                f"{human(w['bytes'])} | store {human(store_now)} "
-                f"(peak {human(self.peak_store)})")
+        return (
+            f"jobs extracted {extracted}/{total}, trained {trained}/{total}"
+            f"{', failed ' + str(j['failed']) if j['failed'] else ''} | window {w['shards']} shards "
+            f"{human(w['bytes'])} | store {human(store_now)} "
+            f"(peak {human(self.peak_store)})"
+        )
 
     def losses(self) -> tuple[int, float | None, float | None]:
         steps, first, last = 0, None, None
@@ -89,32 +93,51 @@ class Monitor:
             self.m.close()
 
 
-def summary(say, mon: "Monitor", code: int, plan_s: float, ex, tr, total_s: float,
-             summary_path: Path | None) -> dict:
+def summary(
+    say, mon: Monitor, code: int, plan_s: float, ex, tr, total_s: float, summary_path: Path | None
+) -> dict:
     mon._next_sample = 0.0
     mon.sample_store()
     st = mon.status() or {}
     tok = group_counts(st.get("tokens_by_state", {}))
     steps, first, last = mon.losses()
-    s = {"exit_code": code, "plan_s": round(plan_s, 2), "extract_s": round(ex.seconds(), 2),
-         "train_s": round(tr.seconds(), 2), "total_s": round(total_s, 2), "extract_exit": ex.exit_code(),
-         "train_exit": tr.exit_code(), "jobs": st.get("jobs"), "total_jobs": st.get("total_jobs"),
-         "tokens_extracted": tok["extracted"], "tokens_trained": tok["trained"],
-         "peak_store_bytes": mon.peak_store, "peak_window": mon.peak_window, "steps": steps,
-         "loss_first": first, "loss_last": last,
-         "manifest": mon.m.address if mon.m else (str(mon.manifest) if mon.manifest else None),
-         "store": str(mon.store) if mon.store else None,
-         "run_dir": str(mon.run_dir) if mon.run_dir else None}
-    say(f"summary: exit {code} | plan {plan_s:.1f} s, extract {ex.seconds():.1f} s (exit {ex.exit_code()}), "
-        f"train {tr.seconds():.1f} s (exit {tr.exit_code()}), total {total_s:.1f} s")
+    s = {
+        "exit_code": code,
+        "plan_s": round(plan_s, 2),
+        "extract_s": round(ex.seconds(), 2),
+        "train_s": round(tr.seconds(), 2),
+        "total_s": round(total_s, 2),
+        "extract_exit": ex.exit_code(),
+        "train_exit": tr.exit_code(),
+        "jobs": st.get("jobs"),
+        "total_jobs": st.get("total_jobs"),
+        "tokens_extracted": tok["extracted"],
+        "tokens_trained": tok["trained"],
+        "peak_store_bytes": mon.peak_store,
+        "peak_window": mon.peak_window,
+        "steps": steps,
+        "loss_first": first,
+        "loss_last": last,
+        "manifest": mon.m.address if mon.m else (str(mon.manifest) if mon.manifest else None),
+        "store": str(mon.store) if mon.store else None,
+        "run_dir": str(mon.run_dir) if mon.run_dir else None,
+    }
+    say(
+        f"summary: exit {code} | plan {plan_s:.1f} s, extract {ex.seconds():.1f} s (exit {ex.exit_code()}), "
+        f"train {tr.seconds():.1f} s (exit {tr.exit_code()}), total {total_s:.1f} s"
+    )
     if st:
         jobs = ", ".join(f"{k} {n}" for k, n in st["jobs"].items() if n)
-        say(f"jobs {st['total_jobs']}: {jobs} | tokens extracted {s['tokens_extracted']:,}, trained "
-            f"{s['tokens_trained']:,} | peak store {human(mon.peak_store)} ({mon.peak_store:,} B), peak window "
-            f"{mon.peak_window['shards']} shards")
+        say(
+            f"jobs {st['total_jobs']}: {jobs} | tokens extracted {s['tokens_extracted']:,}, trained "
+            f"{s['tokens_trained']:,} | peak store {human(mon.peak_store)} ({mon.peak_store:,} B), peak "
+            f"window {mon.peak_window['shards']} shards"
+        )
     if steps:
-        say(f"training: {steps} steps, loss {first if first is None else f'{first:.4f}'} -> "
-            f"{last if last is None else f'{last:.4f}'} | run dir {mon.run_dir}")
+        say(
+            f"training: {steps} steps, loss {first if first is None else f'{first:.4f}'} -> "
+            f"{last if last is None else f'{last:.4f}'} | run dir {mon.run_dir}"
+        )
     if summary_path is not None:
         write_json_atomic(summary_path, s)
     return s

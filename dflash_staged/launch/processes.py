@@ -18,9 +18,9 @@ The disk arithmetic printed for a node layout is :mod:`dflash_staged.launch.disk
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from dflash_staged.errors import DflashError
 from dflash_staged.launch.disk import disk_requirements
@@ -60,34 +60,61 @@ def dflash_cmd(*args: str) -> list[str]:
     return [PY, "-m", "dflash_staged", *map(str, args)]
 
 
-def plan_cmd_if_needed(config: Path, data: Path, manifest: Path | str, epochs: int, seed: int) -> list[str] | None:
+def plan_cmd_if_needed(
+    config: Path, data: Path, manifest: Path | str, epochs: int, seed: int
+) -> list[str] | None:
     """The `dflash plan` command, or None when `manifest` already holds this plan (the same config,
     data, epochs and seed: the manifest's own check). A plan of anything else is an error naming
     the differences (extract and train read the plan from the manifest, so an edited config or new
     data would be silently ignored)."""
+    from dflash_staged.chat import ChatOptions
     from dflash_staged.config import load_config
     from dflash_staged.manifest import Manifest, ManifestMismatchError, plan_identity
-    from dflash_staged.chat import ChatOptions
     from dflash_staged.plan.dataset import data_hash
-    cmd = dflash_cmd("plan", "--config", config, "--data", data, "--manifest", manifest, "--epochs", str(epochs),
-                     "--seed", str(seed))
+
+    cmd = dflash_cmd(
+        "plan",
+        "--config",
+        config,
+        "--data",
+        data,
+        "--manifest",
+        manifest,
+        "--epochs",
+        str(epochs),
+        "--seed",
+        str(seed),
+    )
     if not Manifest.exists(manifest):
         return cmd
     cfg = load_config(config)
-    wanted = plan_identity(cfg.to_dict(), data_hash(data, ChatOptions.from_config(cfg.data).template), epochs, seed)
+    wanted = plan_identity(
+        cfg.to_dict(), data_hash(data, ChatOptions.from_config(cfg.data).template), epochs, seed
+    )
     with Manifest.open(manifest, readonly=True) as m:
         try:
             m.check_same_plan(wanted)
         except ManifestMismatchError as e:
-            raise DflashError(f"{e}; or use another --workdir (and manifest; delete the old store and run "
-                              "directories with it)") from None
+            raise DflashError(
+                f"{e}; or use another --workdir (and manifest; delete the old store and run "
+                "directories with it)"
+            ) from None
     return None
 
 
-def _extract_args(manifest: Path, store: Path, devices: str, window, window_bytes, allow_slow: bool,
-                  train_ranks: int = 1, tp: int = 1) -> list[str]:
-    args = dflash_cmd("extract", "--manifest", manifest, "--store", store, "--devices", devices,
-                      "--trainer-coming")  # started beside it: extract waits for it to register
+def _extract_args(
+    manifest: Path,
+    store: Path,
+    devices: str,
+    window,
+    window_bytes,
+    allow_slow: bool,
+    train_ranks: int = 1,
+    tp: int = 1,
+) -> list[str]:
+    args = dflash_cmd(
+        "extract", "--manifest", manifest, "--store", store, "--devices", devices, "--trainer-coming"
+    )  # started beside it: extract waits for it to register
     if tp > 1:
         args += ["--tp", str(tp)]
     if train_ranks > 1:
@@ -101,7 +128,9 @@ def _extract_args(manifest: Path, store: Path, devices: str, window, window_byte
     return args
 
 
-def _train_args(manifest: Path, store: Path, run: Path, keep_shards: bool, extra: tuple[str, ...]) -> list[str]:
+def _train_args(
+    manifest: Path, store: Path, run: Path, keep_shards: bool, extra: tuple[str, ...]
+) -> list[str]:
     args = ["train", "--manifest", str(manifest), "--store", str(store), "--out", str(run)]
     return args + (["--keep-shards"] if keep_shards else []) + list(extra)
 
@@ -109,10 +138,22 @@ def _train_args(manifest: Path, store: Path, run: Path, keep_shards: bool, extra
 BASE_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
-def pipeline_layout(config: Path, data: Path, workdir: Path, *, devices: str = "cpu", epochs: int = 1,
-                    seed: int = 0, window=None, window_bytes=None, keep_shards: bool = False,
-                    allow_slow_kernels: bool = False, train_args: tuple[str, ...] = (),
-                    manifest: str | None = None, tp: int = 1) -> Layout:
+def pipeline_layout(
+    config: Path,
+    data: Path,
+    workdir: Path,
+    *,
+    devices: str = "cpu",
+    epochs: int = 1,
+    seed: int = 0,
+    window=None,
+    window_bytes=None,
+    keep_shards: bool = False,
+    allow_slow_kernels: bool = False,
+    train_args: tuple[str, ...] = (),
+    manifest: str | None = None,
+    tp: int = 1,
+) -> Layout:
     """Plan if needed, then extract on `devices` (groups of `tp`) and train (on CPU when every extract
     device is)."""
     workdir = Path(workdir)
@@ -128,11 +169,15 @@ def pipeline_layout(config: Path, data: Path, workdir: Path, *, devices: str = "
         half = max(1, (os.cpu_count() or 2) // 2)
         env_ex["OMP_NUM_THREADS"] = str(max(1, half // len(cpu_devs)))
         env_tr["OMP_NUM_THREADS"] = str(half)
-    return Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
-                  Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, tp=tp),
-                       env_ex),
-                  Proc("train", [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)], env_tr),
-                  manifest_address=manifest)
+    return Layout(
+        workdir,
+        plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
+        Proc(
+            "extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, tp=tp), env_ex
+        ),
+        Proc("train", [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)], env_tr),
+        manifest_address=manifest,
+    )
 
 
 def _gpu_list(text: str) -> list[str] | None:
@@ -150,43 +195,81 @@ def parse_gpus(text: str, flag: str) -> list[str]:
     """'0,1,2,3' (or '0-3') -> physical ids, mapped through the launcher's CUDA_VISIBLE_DEVICES when set."""
     items = _gpu_list(text)
     if not items or len(set(items)) != len(items):
-        raise DflashError(f"{flag} {text!r}: give distinct GPU indices separated by commas or as ranges, "
-                          "e.g. 0,1,2,3 or 0-3")
+        raise DflashError(
+            f"{flag} {text!r}: give distinct GPU indices separated by commas or as ranges, "
+            "e.g. 0,1,2,3 or 0-3"
+        )
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if not visible:
         return items
     bad = [t for t in items if int(t) >= len(visible)]
     if bad:
-        raise DflashError(f"{flag} {text!r}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows only {len(visible)} "
-                          f"GPU(s) (indices 0..{len(visible) - 1}); GPU ids are indices into it")
+        raise DflashError(
+            f"{flag} {text!r}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows only {len(visible)} "
+            f"GPU(s) (indices 0..{len(visible) - 1}); GPU ids are indices into it"
+        )
     return [visible[int(t)] for t in items]
 
 
-def node_layout(config: Path, data: Path, workdir: Path, *, extract_gpus: str, train_gpus: str, epochs: int = 1,
-                seed: int = 0, window=None, window_bytes=None, keep_shards: bool = False,
-                allow_slow_kernels: bool = False, target_tok_s: float = DEFAULT_TARGET_TOK_S,
-                hidden_size: int | None = None, train_args: tuple[str, ...] = (), manifest: str | None = None,
-                tp: int = 1) -> Layout:
-    """One node: extract workers on `extract_gpus` (groups of `tp`), torchrun trainer ranks on `train_gpus`."""
+def node_layout(
+    config: Path,
+    data: Path,
+    workdir: Path,
+    *,
+    extract_gpus: str,
+    train_gpus: str,
+    epochs: int = 1,
+    seed: int = 0,
+    window=None,
+    window_bytes=None,
+    keep_shards: bool = False,
+    allow_slow_kernels: bool = False,
+    target_tok_s: float = DEFAULT_TARGET_TOK_S,
+    hidden_size: int | None = None,
+    train_args: tuple[str, ...] = (),
+    manifest: str | None = None,
+    tp: int = 1,
+) -> Layout:
+    """One node: extract workers on `extract_gpus` (groups of `tp`), torchrun trainer ranks on
+    `train_gpus`."""
     ex, tr = parse_gpus(extract_gpus, "--extract-gpus"), parse_gpus(train_gpus, "--train-gpus")
     if len(ex) % tp:
-        raise DflashError(f"--tp {tp} does not divide the {len(ex)} GPU(s) of --extract-gpus {extract_gpus}: give "
-                          f"a multiple of {tp} extract GPUs (each tensor-parallel worker takes {tp})")
+        raise DflashError(
+            f"--tp {tp} does not divide the {len(ex)} GPU(s) of --extract-gpus {extract_gpus}: give "
+            f"a multiple of {tp} extract GPUs (each tensor-parallel worker takes {tp})"
+        )
     both = sorted(set(ex) & set(tr), key=int)
     if both:
-        raise DflashError(f"GPU(s) {','.join(both)} are in both --extract-gpus and --train-gpus; give each stage "
-                          "its own GPUs (use bin/pipeline to share one)")
+        raise DflashError(
+            f"GPU(s) {','.join(both)} are in both --extract-gpus and --train-gpus; give each stage "
+            "its own GPUs (use bin/pipeline to share one)"
+        )
     workdir = Path(workdir)
     m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
     devices = ",".join(f"cuda:{i}" for i in range(len(ex)))
     g = len(tr)
     train = _train_args(m, s, r, keep_shards, tuple(train_args))
     train_cmd = [PY, "-m", "dflash_staged", *train] + (["--nproc", str(g)] if g > 1 else [])  # torchrun ranks
-    layout = Layout(workdir, plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
-                    Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g, tp),
-                         {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(ex)}),
-                    Proc("train", train_cmd, {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(tr),
-                                              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}),
-                    manifest_address=manifest)
-    layout.disk_notes = lambda: disk_requirements(config, len(ex), target_tok_s, hidden_size, m, window, tp=tp)[1]
+    layout = Layout(
+        workdir,
+        plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
+        Proc(
+            "extract",
+            _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g, tp),
+            {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(ex)},
+        ),
+        Proc(
+            "train",
+            train_cmd,
+            {
+                **BASE_ENV,
+                "CUDA_VISIBLE_DEVICES": ",".join(tr),
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S),
+            },
+        ),
+        manifest_address=manifest,
+    )
+    layout.disk_notes = lambda: disk_requirements(
+        config, len(ex), target_tok_s, hidden_size, m, window, tp=tp
+    )[1]
     return layout

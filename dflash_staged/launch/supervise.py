@@ -50,6 +50,7 @@ PY = sys.executable
 @dataclass
 class Proc:
     """One process to start: a name (the output prefix), its command, and env vars set on top of ours."""
+
     name: str
     cmd: list[str]
     env: dict[str, str] = field(default_factory=dict)
@@ -59,11 +60,24 @@ class Proc:
         return (env + " " if env else "") + shlex.join(self.cmd)
 
 
-def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_cmd: list[str],
-                     env_extract: dict[str, str] | None = None, env_train: dict[str, str] | None = None, *,
-                     manifest: Path | None = None, store: Path | None = None, run_dir: Path | None = None,
-                     status_every: float = 10.0, stall_s: float = 120.0, extract_grace_s: float = 15.0,
-                     summary_path: Path | None = None, after_plan=None, dry_run: bool = False, out=None) -> int:
+def run_side_by_side(
+    plan_cmd: list[str] | None,
+    extract_cmd: list[str],
+    train_cmd: list[str],
+    env_extract: dict[str, str] | None = None,
+    env_train: dict[str, str] | None = None,
+    *,
+    manifest: Path | None = None,
+    store: Path | None = None,
+    run_dir: Path | None = None,
+    status_every: float = 10.0,
+    stall_s: float = 120.0,
+    extract_grace_s: float = 15.0,
+    summary_path: Path | None = None,
+    after_plan=None,
+    dry_run: bool = False,
+    out=None,
+) -> int:
     """Run `plan_cmd` (if given) to completion, then `extract_cmd` and `train_cmd` side by side.
 
     Any commands work (tests use small fake ones). `env_*` are set on top of this process's
@@ -93,8 +107,16 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
             if after_plan is not None:
                 after_plan()
             code, ex_child, tr_child = launch.side_by_side(ex, tr)
-            summary(launch.say, launch.mon, code, plan_s, ex_child, tr_child, time.monotonic() - t_start,
-                    summary_path)
+            summary(
+                launch.say,
+                launch.mon,
+                code,
+                plan_s,
+                ex_child,
+                tr_child,
+                time.monotonic() - t_start,
+                summary_path,
+            )
             return code
         finally:
             launch.children.close(grace=0)  # a finished child's leftovers, or a child running after an error
@@ -104,8 +126,9 @@ def run_side_by_side(plan_cmd: list[str] | None, extract_cmd: list[str], train_c
 class _Launch:
     """One run of :func:`run_side_by_side`: its children, its output, the signals it got."""
 
-    def __init__(self, out, store: Path | None, *, status_every: float, stall_s: float,
-                 extract_grace_s: float):
+    def __init__(
+        self, out, store: Path | None, *, status_every: float, stall_s: float, extract_grace_s: float
+    ):
         self.out, self.lock = out, threading.RLock()
         self.store = store
         self.status_every, self.stall_s, self.extract_grace_s = status_every, stall_s, extract_grace_s
@@ -123,8 +146,14 @@ class _Launch:
         sigs = self.children.signals
         while self.signals_said < len(sigs):
             name = signal.Signals(sigs[self.signals_said]).name
-            self.say(f"{name}: " + ("stopping cleanly (train checkpoints); send it again to kill"
-                                    if self.signals_said == 0 else "killing every child process"))
+            self.say(
+                f"{name}: "
+                + (
+                    "stopping cleanly (train checkpoints); send it again to kill"
+                    if self.signals_said == 0
+                    else "killing every child process"
+                )
+            )
             self.signals_said += 1
 
     def start(self, proc: Proc) -> CommandChild:
@@ -166,8 +195,12 @@ class _Launch:
             self.report_signals()
             ex.poll(), tr.poll()
             now = time.monotonic()
-            if tr.code is not None and ex.code is None and not ex.stopped \
-                    and (tr.failed or now - tr.t1 > self.extract_grace_s):
+            if (
+                tr.code is not None
+                and ex.code is None
+                and not ex.stopped
+                and (tr.failed or now - tr.t1 > self.extract_grace_s)
+            ):
                 self.say(f"train exited ({tr.exit_code()}); stopping extract")
                 ex.stop()
             if ex.failed and tr.code is None and not tr.stopped:
@@ -200,8 +233,10 @@ class _Drain:
             return
         self.last_check = now
         if not self.said:
-            la.say(f"extract failed (exit {self.ex.exit_code()}); train goes on with the shards already "
-                   "written and stops by itself (Ctrl-C stops it now)")
+            la.say(
+                f"extract failed (exit {self.ex.exit_code()}); train goes on with the shards already "
+                "written and stops by itself (Ctrl-C stops it now)"
+            )
             self.said = True
         st = la.mon.status()
         progress = None if st is None else (st["jobs"], st["window"])
@@ -211,6 +246,5 @@ class _Drain:
             la.say(f"no store at {la.store}: nothing to train on; stopping train")
             self.tr.stop()
         elif now - self.progress_t > la.stall_s:
-            la.say(f"no progress in the manifest for {la.stall_s:.0f} s since extract failed; "
-                   "stopping train")
+            la.say(f"no progress in the manifest for {la.stall_s:.0f} s since extract failed; stopping train")
             self.tr.stop()

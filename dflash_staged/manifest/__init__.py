@@ -7,11 +7,48 @@ host (:mod:`.sqlite`), ``postgresql://USER@HOST:PORT/DB#NAME`` a manifest that m
 (:mod:`.postgres`). No code outside this package reads or writes job state.
 """
 
-from dflash_staged.manifest.base import Manifest  # noqa: F401
-from dflash_staged.manifest.build import ONE_HOST  # noqa: F401
-from dflash_staged.manifest.sqlite import SqliteManifest  # noqa: F401 (registers the embedded backend)
-from dflash_staged.manifest.postgres import PostgresManifest  # noqa: F401 (registers postgresql:// addresses)
-from dflash_staged.manifest.states import (EXTRACTED, FORMAT_VERSION, GROUPS, IN_WINDOW, STATES,  # noqa: F401
-                                           TO_EXTRACT, TRAINED, ClaimResult, Job, ManifestError,
-                                           ManifestMismatchError, Proc, TrainerBusyError, diff_dicts,
-                                           group_counts, plan_identity)
+from dflash_staged.manifest.base import Manifest
+from dflash_staged.manifest.build import ONE_HOST
+from dflash_staged.manifest.postgres import PostgresManifest  # (registers postgresql:// addresses)
+from dflash_staged.manifest.sqlite import SqliteManifest  # (registers the embedded backend)
+from dflash_staged.manifest.states import (
+    EXTRACTED,
+    FORMAT_VERSION,
+    GROUPS,
+    IN_WINDOW,
+    STATES,
+    TO_EXTRACT,
+    TRAINED,
+    ClaimResult,
+    Job,
+    ManifestError,
+    ManifestMismatchError,
+    Proc,
+    TrainerBusyError,
+    diff_dicts,
+    group_counts,
+    plan_identity,
+)
+
+__all__ = [
+    "EXTRACTED",
+    "FORMAT_VERSION",
+    "GROUPS",
+    "IN_WINDOW",
+    "ONE_HOST",
+    "STATES",
+    "TO_EXTRACT",
+    "TRAINED",
+    "ClaimResult",
+    "Job",
+    "Manifest",
+    "ManifestError",
+    "ManifestMismatchError",
+    "PostgresManifest",
+    "Proc",
+    "SqliteManifest",
+    "TrainerBusyError",
+    "diff_dicts",
+    "group_counts",
+    "plan_identity",
+]

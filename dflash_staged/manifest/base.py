@@ -6,55 +6,79 @@ backend from the address among those registered (:func:`register_backend`; a dir
 :class:`~dflash_staged.manifest.sqlite.SqliteManifest`).
 The job state machine these operations implement is specified in
 :mod:`dflash_staged.manifest.states`. A handle belongs to one process and one thread.
+
+A backend implements the abstract operations below; the queries built on them (counts, progress,
+``status``, hosts) are shared (:class:`~dflash_staged.manifest.queries.SharedQueries`), and so are
+the consume checks (:mod:`.consume`).
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, ClassVar
 
 import numpy as np
 
 from dflash_staged.config import Config, config_from_dict
-from dflash_staged.manifest.states import (STATES, ClaimResult, Job, ManifestError, ManifestMismatchError,
-                                           NoSuchJobError, Proc,
-                                           diff_dicts, group_counts, plan_identity)
+from dflash_staged.manifest.queries import SharedQueries
+from dflash_staged.manifest.states import (
+    STATES,
+    ClaimResult,
+    Job,
+    ManifestError,
+    ManifestMismatchError,
+    Proc,
+    diff_dicts,
+    plan_identity,
+)
+
+_BACKENDS: list[type[Manifest]] = []  # registered by each backend module (see register_backend)
 
 
-_BACKENDS: list[type["Manifest"]] = []  # registered by each backend module (see register_backend)
-
-
-def register_backend(cls: type["Manifest"]) -> type["Manifest"]:
-    """Class decorator: make a backend reachable through ``Manifest.open``/``create``; later ones
-    are asked first, the embedded SQLite backend (which takes any path) last."""
-    _BACKENDS.insert(0, cls)
+def register_backend(cls: type[Manifest]) -> type[Manifest]:
+    """Class decorator: make a backend reachable through ``Manifest.open``/``create``. Backends are
+    asked in the order they registered, except that one whose :attr:`~Manifest.CATCH_ALL` is true
+    (the embedded SQLite backend, which takes any path) is asked last, whatever the import order."""
+    _BACKENDS.append(cls)
+    _BACKENDS.sort(key=lambda c: c.CATCH_ALL)  # stable: the others keep their order
     return cls
 
 
-def _backend(address: str | Path) -> type["Manifest"]:
+def _backend(address: str | Path) -> type[Manifest]:
     for cls in _BACKENDS:
         if cls.handles(address):
             return cls
     raise ManifestError(f"no manifest backend takes the address {address!r}")  # pragma: no cover
 
 
-class Manifest(abc.ABC):
+class Manifest(SharedQueries, abc.ABC):
     """A handle on one manifest; see the module docstring."""
 
     address: str  # how the user named it (a directory path); used in messages
+    CATCH_ALL: ClassVar[bool] = False  # whether this backend takes any address (asked last)
 
     # ------------------------------------------------------------------ creation / opening
     @classmethod
-    def open(cls, address: str | Path, readonly: bool = False) -> "Manifest":
+    def open(cls, address: str | Path, readonly: bool = False) -> Manifest:
         """Open an existing manifest; ManifestError (naming the fix) if there is none."""
         return _backend(address)._open(address, readonly)
 
     @classmethod
-    def create(cls, address: str | Path, *, config: Config, samples, plan, data_path: str, data_hash: str,
-               layer_ids: list[int] | None = None, extra_meta: dict | None = None) -> "Manifest":
+    def create(
+        cls,
+        address: str | Path,
+        *,
+        config: Config,
+        samples,
+        plan,
+        data_path: str,
+        data_hash: str,
+        layer_ids: list[int] | None = None,
+        extra_meta: dict | None = None,
+    ) -> Manifest:
         """Create the manifest atomically; a no-op if it exists holding the same plan.
 
         Raises ManifestMismatchError naming the differences if it exists with another plan.
@@ -69,8 +93,16 @@ class Manifest(abc.ABC):
                 m.close()
                 raise
             return m
-        backend._write_new(address, config=config, samples=samples, plan=plan, data_path=data_path,
-                           data_hash=data_hash, layer_ids=layer_ids, extra_meta=extra_meta)
+        backend._write_new(
+            address,
+            config=config,
+            samples=samples,
+            plan=plan,
+            data_path=data_path,
+            data_hash=data_hash,
+            layer_ids=layer_ids,
+            extra_meta=extra_meta,
+        )
         return backend._open(address, False)
 
     @classmethod
@@ -94,12 +126,12 @@ class Manifest(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def _open(cls, address, readonly: bool) -> "Manifest": ...
+    def _open(cls, address, readonly: bool) -> Manifest: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> "Manifest":
+    def __enter__(self) -> Manifest:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -135,14 +167,17 @@ class Manifest(abc.ABC):
         (:func:`~dflash_staged.manifest.states.plan_identity`)."""
         m = self.meta
         defaults = Config().to_dict()  # a key the config gained since this plan reads as its default
-        snapshot = {k: {**defaults.get(k, {}), **v} if isinstance(v, dict) else v
-                    for k, v in m["config"].items()}
+        snapshot = {
+            k: {**defaults.get(k, {}), **v} if isinstance(v, dict) else v for k, v in m["config"].items()
+        }
         have = plan_identity(snapshot, m["data_hash"], m["epochs"], m["seed"])
         diffs = diff_dicts(have, wanted)
         if diffs:
             raise ManifestMismatchError(
                 f"{self.address} was planned from different inputs ({'; '.join(diffs[:8])}"
-                f"{'; ...' if len(diffs) > 8 else ''}); use another manifest, or delete {self.address} to re-plan")
+                f"{'; ...' if len(diffs) > 8 else ''}); use another manifest, or delete {self.address} "
+                "to re-plan"
+            )
 
     # ------------------------------------------------------------------ queries
     @abc.abstractmethod
@@ -155,20 +190,6 @@ class Manifest(abc.ABC):
     @abc.abstractmethod
     def _query(self, sql: str) -> Iterable[Any]:
         """The rows (mappings) of one read-only SQL query without parameters."""
-
-    def _by_state(self, expr: str) -> dict[str, int]:
-        out = dict.fromkeys(STATES, 0)
-        for r in self._query(f"SELECT state, {expr} AS n FROM jobs GROUP BY state"):
-            out[r["state"]] = int(r["n"] or 0)
-        return out
-
-    def counts(self) -> dict[str, int]:
-        """Jobs per state (every state in :data:`STATES`, zeros included)."""
-        return self._by_state("COUNT(*)")
-
-    def tokens_by_state(self) -> dict[str, int]:
-        """Real tokens per state (zeros included)."""
-        return self._by_state("SUM(real_tokens)")
 
     @abc.abstractmethod
     def window(self) -> dict[str, int]:
@@ -189,74 +210,9 @@ class Manifest(abc.ABC):
     def requeue_reasons(self) -> dict[str, int]:
         """How often shards were sent back for re-extraction, by kind of error."""
 
-    def extract_done(self) -> bool:
-        """No job is pending or claimed."""
-        return group_counts(self.counts())["to_extract"] == 0
-
-    def progress(self) -> dict[str, dict[str, int]]:
-        """Jobs and real tokens per named state group (``extracted``, ``trained``, ...)."""
-        return {"jobs": group_counts(self.counts()), "tokens": group_counts(self.tokens_by_state())}
-
-    def status(self) -> dict[str, Any]:
-        """What ``dflash status --json`` prints."""
-        m, counts = self.meta, self.counts()
-        return {
-            "manifest": self.address, "manifest_id": m["manifest_id"], "jobs": counts,
-            "total_jobs": sum(counts.values()), "epochs": int(m["epochs"]), "window": self.window(),
-            "padding_waste": float(m["padding_waste"]), "extract_done": group_counts(counts)["to_extract"] == 0,
-            "tokens": {"real": int(m["tokens_real"]), "padded": int(m["tokens_padded"])},
-            "tokens_by_state": self.tokens_by_state(), "groups": group_counts(counts),
-            "samples": int(m["n_samples"]), "target_id": m["target_id"], "layer_ids": m["layer_ids"],
-            "requeued": self.requeue_reasons(),
-            "failed": [{"id": j.id, "error": e} for j, e in self.failed_errors()],
-            "processes": [{"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank}
-                          for p in self.live_procs()],
-            "hosts": self.hosts(),
-        }
-
     def now(self) -> float:
         """The manifest's clock, in which leases and heartbeats are kept (this host's, or the server's)."""
         return time.time()
-
-    def hosts(self) -> list[dict[str, Any]]:
-        """Per host: its live processes (with the age of their last heartbeat, where kept) and its
-        extract workers' claims with the seconds left on their leases; in ``status``."""
-        now, out = self.now(), {}
-
-        def entry(host):
-            return out.setdefault(host, {"host": host, "processes": [], "workers": []})
-        for p in self.live_procs():
-            entry(p.host)["processes"].append({"role": p.role, "pid": p.pid, "rank": p.rank, "heartbeat_age_s":
-                                               None if p.heartbeat is None else round(now - p.heartbeat, 1)})
-        workers: dict[tuple, dict] = {}
-        for j in self.jobs("claimed"):
-            w = workers.setdefault((j.host, j.worker, j.pid), {"worker": j.worker, "pid": j.pid, "jobs": [],
-                                                              "lease_left_s": None})
-            w["jobs"].append(j.id)
-            if j.lease_until is not None:
-                left = round(j.lease_until - now, 1)
-                w["lease_left_s"] = left if w["lease_left_s"] is None else min(w["lease_left_s"], left)
-        for (host, _, _), w in sorted(workers.items(), key=lambda kv: str(kv[0])):
-            entry(host)["workers"].append(w)
-        return [out[h] for h in sorted(out, key=str)]
-
-    def holds_claim(self, job_id: int, host: str, pid: int) -> bool:
-        """Whether process ``pid`` on ``host`` still holds the claim on job ``job_id`` (a staged shard
-        of another host whose claim it no longer holds is an orphan)."""
-        try:
-            j = self.job(job_id)
-        except NoSuchJobError:
-            return False
-        return j.state == "claimed" and j.host == host and j.pid == pid
-
-    def shard_unwanted(self, job_id: int) -> bool:
-        """Whether no shard of job ``job_id`` should be on disk: it is released, pending or failed (a
-        late rename after its job was released or requeued left one; a claimed job's old shard is
-        replaced when it publishes). False for an unknown job."""
-        try:
-            return self.job(job_id).state in ("released", "pending", "failed")
-        except NoSuchJobError:
-            return False
 
     @abc.abstractmethod
     def failed_errors(self) -> list[tuple[Job, str]]:
@@ -268,7 +224,9 @@ class Manifest(abc.ABC):
         """Claims whose lease expired, or whose process is gone (same host), back to pending."""
 
     @abc.abstractmethod
-    def claim(self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0) -> ClaimResult:
+    def claim(
+        self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0
+    ) -> ClaimResult:
         """Check the window and claim the next pending job in manifest order, in one transaction."""
 
     @abc.abstractmethod
@@ -327,8 +285,15 @@ class Manifest(abc.ABC):
 
     # ------------------------------------------------------------------ processes
     @abc.abstractmethod
-    def register(self, role: str, *, group_id: str | None = None, rank: int | None = None,
-                 info: dict | None = None, exclusive: bool = False) -> str:
+    def register(
+        self,
+        role: str,
+        *,
+        group_id: str | None = None,
+        rank: int | None = None,
+        info: dict | None = None,
+        exclusive: bool = False,
+    ) -> str:
         """Record this process; with ``exclusive``, refuse (TrainerBusyError) if a live process of
         ``role`` from another group holds the manifest. Returns the registration id."""
 
@@ -347,6 +312,7 @@ class Manifest(abc.ABC):
     def unregister_me(self, role: str) -> None:
         """Drop this process's registrations of ``role``."""
         from dflash_staged.procs import my_identity
+
         host, pid, _ = my_identity()
         for p in self.live_procs(role):
             if (p.host, p.pid) == (host, pid):
@@ -358,29 +324,6 @@ class Manifest(abc.ABC):
 
     @abc.abstractmethod
     def log_event(self, kind: str, detail: str = "", job: int | None = None) -> None: ...
-
-
-def consume_ids(job_ids: Iterable[int]) -> list[int]:
-    """The ids of a :meth:`Manifest.consume`; ManifestError if one is listed twice."""
-    ids = [int(i) for i in job_ids]
-    twice = sorted(i for i, n in Counter(ids).items() if n > 1)
-    if twice:
-        raise ManifestError(f"cannot consume jobs {twice}: each is listed more than once (two ranks "
-                            "trained the same shard?); nothing was consumed")
-    return ids
-
-
-def consume_refused(step: int, ids: list[int], jobs: dict[int, Job], rank_of: dict | None) -> ManifestError:
-    """The error of a :meth:`Manifest.consume` refused for jobs ``ids`` (``jobs``: their rows)."""
-    def why(i: int) -> str:
-        j = jobs.get(i)
-        if j is None:
-            return f"job {i} does not exist"
-        taken = f", taken by {j.taken_by!r} rank {j.rank}" if j.taken_by is not None else ""
-        told = f" (consumed as rank {rank_of[i]}'s)" if rank_of and rank_of.get(i) is not None else ""
-        return f"job {i} is {j.state}{taken}{told}"
-    return ManifestError(f"step {step} cannot consume: {'; '.join(why(i) for i in ids)}; only written jobs "
-                         "(taken by the rank that trained them) can be consumed; nothing was consumed")
 
 
 __all__ = ["Manifest", "STATES"]

@@ -23,10 +23,24 @@ from dflash_staged.config import Config
 from dflash_staged.fsutil import atomic_dir, remove_dead_temps
 from dflash_staged.manifest.states import FORMAT_VERSION, ManifestError
 
-ONE_HOST = ("the SQLite manifest is for one host: keep it on a local disk (not NFS) of the node "
-            "that runs both extract and train")
-_NETWORK_FS = {"nfs", "nfs4", "cifs", "smbfs", "smb3", "fuse.sshfs", "9p", "lustre", "gpfs", "glusterfs",
-               "ceph", "fuse.glusterfs"}
+ONE_HOST = (
+    "the SQLite manifest is for one host: keep it on a local disk (not NFS) of the node "
+    "that runs both extract and train"
+)
+_NETWORK_FS = {
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smbfs",
+    "smb3",
+    "fuse.sshfs",
+    "9p",
+    "lustre",
+    "gpfs",
+    "glusterfs",
+    "ceph",
+    "fuse.glusterfs",
+}
 
 
 _SCHEMA = """
@@ -63,24 +77,47 @@ def check_local_fs(path: Path) -> None:
     p = str(path.resolve())
     for line in mounts:
         parts = line.split()
-        if len(parts) >= 3 and (p == parts[1] or p.startswith(parts[1].rstrip("/") + "/")) \
-                and len(parts[1]) > len(best):
+        if (
+            len(parts) >= 3
+            and (p == parts[1] or p.startswith(parts[1].rstrip("/") + "/"))
+            and len(parts[1]) > len(best)
+        ):
             best, fstype = parts[1], parts[2]
     if fstype in _NETWORK_FS:
         raise ManifestError(f"{path} is on a {fstype} filesystem; {ONE_HOST}")
 
 
-def plan_meta(*, config: Config, samples, plan, data_path: str, data_hash: str, layer_ids: list[int] | None = None,
-              extra_meta: dict | None = None) -> dict:
+def plan_meta(
+    *,
+    config: Config,
+    samples,
+    plan,
+    data_path: str,
+    data_hash: str,
+    layer_ids: list[int] | None = None,
+    extra_meta: dict | None = None,
+) -> dict:
     """A new manifest's metadata (every backend stores these keys)."""
     return {
-        "format_version": FORMAT_VERSION, "manifest_id": uuid.uuid4().hex, "created": time.time(),
-        "config": config.to_dict(), "config_hash": config.plan_hash(), "data_path": str(data_path),
-        "data_hash": data_hash, "target_id": config.target.model, "layer_ids": layer_ids,
-        "epochs": plan.epochs, "seed": plan.seed, "n_batches": len(plan.batches),
-        "n_samples": len(samples.offsets) - 1, "bucket_edges": list(map(int, plan.edges)),
-        "padding_waste": float(plan.padding_waste), "tokens_real": int(plan.tokens_real),
-        "tokens_padded": int(plan.tokens_padded), "ingest_stats": samples.stats, "bytes_per_token": 0,
+        "format_version": FORMAT_VERSION,
+        "manifest_id": uuid.uuid4().hex,
+        "created": time.time(),
+        "config": config.to_dict(),
+        "config_hash": config.plan_hash(),
+        "data_path": str(data_path),
+        "data_hash": data_hash,
+        "target_id": config.target.model,
+        "layer_ids": layer_ids,
+        "epochs": plan.epochs,
+        "seed": plan.seed,
+        "n_batches": len(plan.batches),
+        "n_samples": len(samples.offsets) - 1,
+        "bucket_edges": list(map(int, plan.edges)),
+        "padding_waste": float(plan.padding_waste),
+        "tokens_real": int(plan.tokens_real),
+        "tokens_padded": int(plan.tokens_padded),
+        "ingest_stats": samples.stats,
+        "bytes_per_token": 0,
         **(extra_meta or {}),
     }
 
@@ -88,8 +125,18 @@ def plan_meta(*, config: Config, samples, plan, data_path: str, data_hash: str, 
 def job_rows(plan):
     """(id, epoch, pos, bucket, sample ids, real tokens, padded tokens) of every job, in manifest order."""
     n = len(plan.batches)
-    return ((j.epoch * n + j.pos, j.epoch, j.pos, j.bucket, [int(x) for x in j.sample_ids], int(j.real_tokens),
-             int(j.padded_tokens)) for j in plan.jobs())
+    return (
+        (
+            j.epoch * n + j.pos,
+            j.epoch,
+            j.pos,
+            j.bucket,
+            [int(x) for x in j.sample_ids],
+            int(j.real_tokens),
+            int(j.padded_tokens),
+        )
+        for j in plan.jobs()
+    )
 
 
 def save_samples(dir: Path, samples) -> None:
@@ -111,10 +158,14 @@ def write_manifest_dir(dir: Path, **plan_kw) -> None:
         conn.execute("PRAGMA journal_mode=DELETE")
         conn.executescript(_SCHEMA)
         conn.execute("BEGIN")
-        conn.executemany("INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in plan_meta(**plan_kw).items()])
-        conn.executemany("INSERT INTO jobs (id, epoch, pos, bucket, sample_ids, real_tokens, padded_tokens) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         ((r[0], r[1], r[2], r[3], json.dumps(r[4]), r[5], r[6]) for r in job_rows(plan_kw["plan"])))
+        conn.executemany(
+            "INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in plan_meta(**plan_kw).items()]
+        )
+        conn.executemany(
+            "INSERT INTO jobs (id, epoch, pos, bucket, sample_ids, real_tokens, padded_tokens) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            ((r[0], r[1], r[2], r[3], json.dumps(r[4]), r[5], r[6]) for r in job_rows(plan_kw["plan"])),
+        )
         conn.execute("COMMIT")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.close()

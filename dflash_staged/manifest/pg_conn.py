@@ -33,8 +33,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from dflash_staged.manifest.states import ManifestError
@@ -73,7 +74,7 @@ class PgAddress:
     user: str | None
 
     @classmethod
-    def parse(cls, address) -> "PgAddress":
+    def parse(cls, address) -> PgAddress:
         text = str(address)
         url, _, name = text.partition("#")
         try:
@@ -83,11 +84,15 @@ class PgAddress:
             raise ManifestError(f"manifest address {text!r} is not a valid postgresql:// URL ({e})") from None
         db = parts.path.lstrip("/")
         if not name or not db:
-            raise ManifestError(f"manifest address {_hide(text)!r} needs a database and a manifest name: "
-                                "postgresql://USER@HOST:PORT/DB#NAME")
+            raise ManifestError(
+                f"manifest address {_hide(text)!r} needs a database and a manifest name: "
+                "postgresql://USER@HOST:PORT/DB#NAME"
+            )
         if not _NAME.match(name) or name.lower().startswith("pg_"):
-            raise ManifestError(f"manifest name {name!r} in {_hide(text)!r}: use 1-63 letters, digits, '_' or '-' "
-                                "(not starting with pg_)")
+            raise ManifestError(
+                f"manifest name {name!r} in {_hide(text)!r}: use 1-63 letters, digits, '_' or '-' "
+                "(not starting with pg_)"
+            )
         server = f"{parts.hostname or 'localhost'}:{port or 5432}"
         return cls(url=url, name=name, display=_hide(text), server=server, db=db, user=parts.username)
 
@@ -99,22 +104,43 @@ def _hide(text: str) -> str:
 
 def _detail(e: BaseException) -> str:
     text = " ".join(str(e).split())
-    return re.sub(r"^(connection failed: )?(connection to server at [^:]*(, port \d+)? failed: )?(FATAL: +)?", "",
-                  text)[:300]
+    return re.sub(
+        r"^(connection failed: )?(connection to server at [^:]*(, port \d+)? failed: )?(FATAL: +)?", "", text
+    )[:300]
 
 
 def connect_error(addr: PgAddress, e: BaseException) -> str:
     """One line saying what to fix, for a connection that could not be made."""
     detail, low = _detail(e), str(e).lower()
-    if any(w in low for w in ("password authentication failed", "no password supplied", "pg_hba.conf",
-                              "authentication failed")) or re.search(r'role ".*" does not exist', low):
-        return (f"PostgreSQL server {addr.server} refused user {addr.user or '(default)'!r} ({detail}): fix the user "
-                f"or password in the manifest address {addr.display!r} (or in ~/.pgpass / PGPASSWORD)")
+    if any(
+        w in low
+        for w in (
+            "password authentication failed",
+            "no password supplied",
+            "pg_hba.conf",
+            "authentication failed",
+        )
+    ) or re.search(r'role ".*" does not exist', low):
+        return (
+            f"PostgreSQL server {addr.server} refused user {addr.user or '(default)'!r} ({detail}): "
+            f"fix the user or password in the manifest address {addr.display!r} "
+            "(or in ~/.pgpass / PGPASSWORD)"
+        )
     if re.search(r'database ".*" does not exist', low):
-        return (f"database {addr.db!r} does not exist on PostgreSQL server {addr.server}: create it "
-                f"(createdb -h {addr.server.rsplit(':', 1)[0]} {addr.db}) or fix the manifest address {addr.display!r}")
-    return (f"cannot reach PostgreSQL server {addr.server} for manifest {addr.display!r} ({detail}): check the host "
-            "and port in the address and that the server runs")
+        return (
+            f"database {addr.db!r} does not exist on PostgreSQL server {addr.server}: create it "
+            f"(createdb -h {addr.server.rsplit(':', 1)[0]} {addr.db}) or fix the manifest address "
+            f"{addr.display!r}"
+        )
+    return (
+        f"cannot reach PostgreSQL server {addr.server} for manifest {addr.display!r} ({detail}): "
+        "check the host and port in the address and that the server runs"
+    )
+
+
+def one(cur, q: str, args: tuple = ()) -> dict | None:
+    """The first row of statement ``q`` run on cursor ``cur``, or None."""
+    return cur.execute(q, args).fetchone()
 
 
 class Session:
@@ -131,14 +157,24 @@ class Session:
 
     def _connect(self):
         pg = self._pg
-        params: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1, "keepalives_idle": 5,
-                                  "keepalives_interval": 2, "keepalives_count": 3, "tcp_user_timeout": 10000,
-                                  "application_name": "dflash-staged"}
+        params: dict[str, Any] = {
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+            "tcp_user_timeout": 10000,
+            "application_name": "dflash-staged",
+        }
         params.update(pg.conninfo.conninfo_to_dict(self.addr.url))
-        conn = pg.connect(pg.conninfo.make_conninfo("", **params), autocommit=True,
-                          row_factory=pg.rows.dict_row)
-        setup = [pg.sql.SQL("SET idle_in_transaction_session_timeout = {}").format(
-            pg.sql.Literal(f"{IDLE_TX_TIMEOUT_S}s"))]
+        conn = pg.connect(
+            pg.conninfo.make_conninfo("", **params), autocommit=True, row_factory=pg.rows.dict_row
+        )
+        setup = [
+            pg.sql.SQL("SET idle_in_transaction_session_timeout = {}").format(
+                pg.sql.Literal(f"{IDLE_TX_TIMEOUT_S}s")
+            )
+        ]
         if self.schema:
             setup.append(pg.sql.SQL("SET search_path TO {}").format(pg.sql.Identifier(self.addr.name)))
         if self.readonly:
@@ -181,7 +217,9 @@ class Session:
             except pg.errors.TransactionRollback:  # deadlock or serialization failure: nothing changed
                 rollbacks += 1
                 if rollbacks > 50:
-                    raise ManifestError(f"{self.addr.display}: a transaction kept failing with deadlocks") from None
+                    raise ManifestError(
+                        f"{self.addr.display}: a transaction kept failing with deadlocks"
+                    ) from None
                 again = True
                 continue
             except (pg.OperationalError, pg.InterfaceError) as e:
@@ -191,15 +229,22 @@ class Session:
                 now = time.monotonic()
                 deadline = deadline if deadline is not None else now + bound
                 if now >= deadline:
-                    msg = (f"lost the connection to PostgreSQL server {self.addr.server} (manifest "
-                           f"{self.addr.display!r}) and could not reconnect for {bound:.0f} s ({_detail(e)}); nothing "
-                           "half-done was recorded: check the server and the network, then rerun this command")
+                    msg = (
+                        f"lost the connection to PostgreSQL server {self.addr.server} (manifest "
+                        f"{self.addr.display!r}) and could not reconnect for {bound:.0f} s ({_detail(e)}); "
+                        "nothing half-done was recorded: check the server and the network, then rerun "
+                        "this command"
+                    )
                     if retry is None:
                         self._gone = msg
                     raise ManifestError(msg) from None
                 if not said and bound >= 1:
-                    print(f"manifest: lost the connection to PostgreSQL server {self.addr.server} ({_detail(e)}); "
-                          f"reconnecting for up to {bound:.0f} s", file=sys.stderr, flush=True)
+                    print(
+                        "manifest: lost the connection to PostgreSQL server "
+                        f"{self.addr.server} ({_detail(e)}); reconnecting for up to {bound:.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     said = True
                 time.sleep(min(delay, max(0.0, deadline - now)))
                 delay = min(2 * delay, 2.0)

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from dflash_staged.manifest.pg_conn import PgAddress, Session
 from dflash_staged.manifest.pg_schema import FREE_CLAIM, LOCK_NS, NOW
 from dflash_staged.manifest.states import ManifestError, Proc, TrainerBusyError
 from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
 
-_INSERT = (f"INSERT INTO procs (id, role, host, boot_id, pid, pid_start, group_id, rank, info, started, heartbeat) "
-           f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, {NOW}, {NOW})")
+_INSERT = (
+    f"INSERT INTO procs (id, role, host, boot_id, pid, pid_start, group_id, rank, info, started, heartbeat) "
+    f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, {NOW}, {NOW})"
+)
 
 
 def alive(p: dict, now: float, lease: float) -> bool:
@@ -42,15 +44,23 @@ def alive(p: dict, now: float, lease: float) -> bool:
 def reclaim_dead_here(cur) -> int:
     """Claims of this host's processes that are gone, back to pending (statements of their own)."""
     host = my_identity()[0]
-    dead = [(r["id"], r["pid"]) for r in cur.execute(
-        "SELECT id, pid, pid_start, boot_id FROM jobs WHERE state = 'claimed' AND host = %s",
-        (host,)).fetchall() if not pid_alive(host, r["pid"], r["pid_start"], r["boot_id"])]
-    return sum(cur.execute(f"WITH gone AS (UPDATE jobs SET state = 'pending', {FREE_CLAIM}, "
-                           f"updated = {NOW} WHERE id = %s AND state = 'claimed' AND host = %s AND pid = %s "
-                           "RETURNING id) INSERT INTO events (t, job, kind, detail) "
-                           f"SELECT {NOW}, id, 'reclaim', %s FROM gone",
-                           (job_id, host, pid, f"worker pid {pid} is gone")).rowcount
-               for job_id, pid in dead)
+    dead = [
+        (r["id"], r["pid"])
+        for r in cur.execute(
+            "SELECT id, pid, pid_start, boot_id FROM jobs WHERE state = 'claimed' AND host = %s", (host,)
+        ).fetchall()
+        if not pid_alive(host, r["pid"], r["pid_start"], r["boot_id"])
+    ]
+    return sum(
+        cur.execute(
+            f"WITH gone AS (UPDATE jobs SET state = 'pending', {FREE_CLAIM}, "
+            f"updated = {NOW} WHERE id = %s AND state = 'claimed' AND host = %s AND pid = %s "
+            "RETURNING id) INSERT INTO events (t, job, kind, detail) "
+            f"SELECT {NOW}, id, 'reclaim', %s FROM gone",
+            (job_id, host, pid, f"worker pid {pid} is gone"),
+        ).rowcount
+        for job_id, pid in dead
+    )
 
 
 class Registry:
@@ -61,26 +71,35 @@ class Registry:
         self._heart: _Heartbeat | None = None
         self.fence: str | None = None  # this handle's exclusive registration (a trainer's)
 
-    def register(self, role: str, *, group_id: str | None, rank: int | None, info: dict | None,
-                 exclusive: bool) -> str:
+    def register(
+        self, role: str, *, group_id: str | None, rank: int | None, info: dict | None, exclusive: bool
+    ) -> str:
         host, pid, start = my_identity()
         pid_key, lease = f"{role}:{host}:{pid}:{start}", self._lease()
         row = (pid_key, role, host, BOOT_ID, pid, start, group_id, rank, json.dumps(info or {}))
 
         def body(cur, _):
-            cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_NS, self.addr.name + ":procs"))
+            cur.execute(
+                "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_NS, self.addr.name + ":procs")
+            )
             for p in cur.execute(f"SELECT *, {NOW} AS now FROM procs WHERE role = %s", (role,)).fetchall():
                 if not alive(p, p["now"], lease):
                     cur.execute("DELETE FROM procs WHERE id = %s", (p["id"],))
                 elif exclusive and p["group_id"] != group_id and p["id"] != pid_key:
                     raise TrainerBusyError(
-                        f"another {role} (host {p['host']}, pid {p['pid']}) already uses {self.addr.display}; stop it "
-                        "first, or run both as ranks of one DDP job (torchrun); a process cut off from the server "
-                        f"counts as alive until {lease:.0f} s (extract.registration_liveness_s, by default "
-                        "extract.lease_s) after its last heartbeat")
-            cur.execute(_INSERT + " ON CONFLICT (id) DO UPDATE SET heartbeat = EXCLUDED.heartbeat, "
-                        "group_id = EXCLUDED.group_id, rank = EXCLUDED.rank, info = EXCLUDED.info", row)
+                        f"another {role} (host {p['host']}, pid {p['pid']}) already uses "
+                        f"{self.addr.display}; stop it first, or run both as ranks of one DDP job "
+                        "(torchrun); a process cut off from the server counts as alive until "
+                        f"{lease:.0f} s (extract.registration_liveness_s, by default extract.lease_s) "
+                        "after its last heartbeat"
+                    )
+            cur.execute(
+                _INSERT + " ON CONFLICT (id) DO UPDATE SET heartbeat = EXCLUDED.heartbeat, "
+                "group_id = EXCLUDED.group_id, rank = EXCLUDED.rank, info = EXCLUDED.info",
+                row,
+            )
             self._event(cur, None, f"start:{role}", json.dumps(info or {}))
+
         self._s.run(body)
         if exclusive:
             self.fence = pid_key
@@ -99,20 +118,23 @@ class Registry:
 
     def live(self, role: str | None) -> list[Proc]:
         lease = self._lease()
-        q, args = (f"SELECT *, {NOW} AS now FROM procs WHERE role = %s", (role,)) if role else \
-            (f"SELECT *, {NOW} AS now FROM procs", ())
+        q, args = (
+            (f"SELECT *, {NOW} AS now FROM procs WHERE role = %s", (role,))
+            if role
+            else (f"SELECT *, {NOW} AS now FROM procs", ())
+        )
         rows = self._s.run(lambda cur, _: cur.execute(q, args).fetchall())
-        return [Proc(id=p["id"], role=p["role"], host=p["host"], pid=p["pid"], pid_start=p["pid_start"],
-                     group_id=p["group_id"], rank=p["rank"], info=json.loads(p["info"] or "{}"),
-                     heartbeat=p["heartbeat"]) for p in rows if alive(p, p["now"], lease)]
+        return [Proc.from_row(p, heartbeat=p["heartbeat"]) for p in rows if alive(p, p["now"], lease)]
 
     def check_fence(self, cur) -> None:
         """ManifestError unless this handle's exclusive registration is there; locks it (module docstring)."""
         row = cur.execute("SELECT 1 AS ok FROM procs WHERE id = %s FOR KEY SHARE", (self.fence,)).fetchone()
         if row is None:
-            raise ManifestError(f"this trainer's registration on {self.addr.display} lapsed (no heartbeat for longer "
-                                "than the lease, e.g. cut off from the server) and another trainer replaced it: "
-                                "stopping without consuming more; rerun it to resume from its last checkpoint")
+            raise ManifestError(
+                f"this trainer's registration on {self.addr.display} lapsed (no heartbeat for longer "
+                "than the lease, e.g. cut off from the server) and another trainer replaced it: "
+                "stopping without consuming more; rerun it to resume from its last checkpoint"
+            )
 
     def close(self) -> None:
         if self._heart is not None:
@@ -141,8 +163,10 @@ class _Heartbeat(threading.Thread):
     def _beat(self, cur, _) -> None:
         cur.execute("SET LOCAL synchronous_commit TO off")  # a heartbeat lost in a crash is only a late one
         for pid_key, (row, exclusive) in self._regs.items():
-            if cur.execute(f"UPDATE procs SET heartbeat = {NOW} WHERE id = %s", (pid_key,)).rowcount == 0 \
-                    and not exclusive:  # dropped while this host was cut off: an extractor comes back
+            if (
+                cur.execute(f"UPDATE procs SET heartbeat = {NOW} WHERE id = %s", (pid_key,)).rowcount == 0
+                and not exclusive
+            ):  # dropped while this host was cut off: an extractor comes back
                 cur.execute(_INSERT + " ON CONFLICT (id) DO NOTHING", row)
 
     def run(self) -> None:

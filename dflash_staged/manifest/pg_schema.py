@@ -58,8 +58,10 @@ CREATE TABLE events (id bigserial PRIMARY KEY, t double precision NOT NULL, job 
 CREATE INDEX events_kind ON events (kind);
 CREATE TABLE procs (
   id text PRIMARY KEY, role text NOT NULL, host text NOT NULL, boot_id text, pid integer NOT NULL,
-  pid_start bigint, group_id text, rank integer, started double precision, heartbeat double precision, info text);
-CREATE TABLE samples (name text NOT NULL, chunk integer NOT NULL, data bytea NOT NULL, PRIMARY KEY (name, chunk));
+  pid_start bigint, group_id text, rank integer, started double precision, heartbeat double precision,
+  info text);
+CREATE TABLE samples (name text NOT NULL, chunk integer NOT NULL, data bytea NOT NULL,
+                      PRIMARY KEY (name, chunk));
 CREATE SEQUENCE written_seq;
 """
 
@@ -71,8 +73,9 @@ CREATE SEQUENCE written_seq;
 # through an fsync: a claim lost in a server crash only returns its job to pending, and the
 # worker's publish is then refused; any later synchronous commit (a publish) flushes it first.
 CLAIM_FUNCTION = f"""
-CREATE FUNCTION claim_next(p_key integer, p_lock boolean, p_window bigint, p_window_bytes bigint, p_worker text,
-    p_host text, p_boot text, p_pid integer, p_pid_start bigint, p_lease double precision, p_token text,
+CREATE FUNCTION claim_next(p_key integer, p_lock boolean, p_window bigint, p_window_bytes bigint,
+    p_worker text, p_host text, p_boot text, p_pid integer, p_pid_start bigint, p_lease double precision,
+    p_token text,
     OUT status text, OUT shards bigint, OUT nbytes bigint, OUT job jsonb) LANGUAGE plpgsql AS $$
 DECLARE
   now_s double precision;
@@ -85,8 +88,8 @@ BEGIN
   END IF;
   now_s := {NOW};
   WITH gone AS (
-    UPDATE jobs SET state = 'pending', worker = NULL, host = NULL, boot_id = NULL, pid = NULL, pid_start = NULL,
-                    lease_until = NULL, updated = now_s
+    UPDATE jobs SET state = 'pending', worker = NULL, host = NULL, boot_id = NULL, pid = NULL,
+                    pid_start = NULL, lease_until = NULL, updated = now_s
     WHERE id IN (SELECT id FROM jobs WHERE state = 'claimed' AND lease_until < now_s FOR UPDATE SKIP LOCKED)
     RETURNING id)
   INSERT INTO events (t, job, kind, detail) SELECT now_s, id, 'reclaim', 'lease expired' FROM gone;
@@ -96,13 +99,14 @@ BEGIN
     INTO shards, nbytes FROM jobs WHERE state IN ('claimed', 'written', 'consumed');
   SELECT id INTO pick FROM jobs WHERE state = 'pending' ORDER BY epoch, pos LIMIT 1 FOR UPDATE SKIP LOCKED;
   IF pick IS NULL THEN
-    status := CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state IN ('pending', 'claimed')) THEN 'none' ELSE 'done' END;
+    status := CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state IN ('pending', 'claimed'))
+                   THEN 'none' ELSE 'done' END;
   ELSIF shards >= p_window OR (p_window_bytes > 0 AND nbytes >= p_window_bytes) THEN
     status := 'full';
   ELSE
     UPDATE jobs SET state = 'claimed', worker = p_worker, host = p_host, boot_id = p_boot, pid = p_pid,
-                    pid_start = p_pid_start, lease_until = now_s + p_lease, attempts = attempts + 1, updated = now_s,
-                    op_token = p_token
+                    pid_start = p_pid_start, lease_until = now_s + p_lease, attempts = attempts + 1,
+                    updated = now_s, op_token = p_token
       WHERE id = pick RETURNING to_jsonb(jobs.*) INTO job;
     status := 'claimed';
   END IF;
@@ -121,12 +125,19 @@ def create_tables(cur, pg, name: str, plan_kw: dict) -> None:
     samples = plan_kw["samples"]
     for array, dtype in ARRAYS.items():
         data = np.ascontiguousarray(getattr(samples, array), dtype=dtype)
-        rows = [(array, i, data[a:a + CHUNK].tobytes()) for i, a in enumerate(range(0, max(len(data), 1), CHUNK))]
+        rows = [
+            (array, i, data[a : a + CHUNK].tobytes())
+            for i, a in enumerate(range(0, max(len(data), 1), CHUNK))
+        ]
         cur.executemany("INSERT INTO samples (name, chunk, data) VALUES (%s, %s, %s)", rows)
     meta = plan_meta(**plan_kw)
     meta["sample_chunk"] = CHUNK
-    cur.executemany("INSERT INTO meta (key, value) VALUES (%s, %s)", [(k, json.dumps(v)) for k, v in meta.items()])
-    with cur.copy("COPY jobs (id, epoch, pos, bucket, sample_ids, real_tokens, padded_tokens) FROM STDIN") as cp:
+    cur.executemany(
+        "INSERT INTO meta (key, value) VALUES (%s, %s)", [(k, json.dumps(v)) for k, v in meta.items()]
+    )
+    with cur.copy(
+        "COPY jobs (id, epoch, pos, bucket, sample_ids, real_tokens, padded_tokens) FROM STDIN"
+    ) as cp:
         for r in job_rows(plan_kw["plan"]):
             cp.write_row(r)
 
@@ -135,9 +146,14 @@ def schema_kind(cur, addr) -> str:
     """'none' (no such schema) or 'manifest'; ManifestError for a schema that holds something else."""
     if cur.execute("SELECT 1 AS ok FROM pg_namespace WHERE nspname = %s", (addr.name,)).fetchone() is None:
         return "none"
-    if cur.execute("SELECT to_regclass(format('%%I.meta', %s::text)) AS t", (addr.name,)).fetchone()["t"] is None:
-        raise ManifestError(f"schema {addr.name!r} in database {addr.db!r} on {addr.server} exists but holds no dflash "
-                            "manifest: choose another manifest name after '#'")
+    if (
+        cur.execute("SELECT to_regclass(format('%%I.meta', %s::text)) AS t", (addr.name,)).fetchone()["t"]
+        is None
+    ):
+        raise ManifestError(
+            f"schema {addr.name!r} in database {addr.db!r} on {addr.server} exists but holds no dflash "
+            "manifest: choose another manifest name after '#'"
+        )
     return "manifest"
 
 
@@ -166,7 +182,7 @@ class SampleReader:
             self._cache.pop(next(iter(self._cache)))
         joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
         base = first * self.chunk
-        return joined[a - base:b - base]
+        return joined[a - base : b - base]
 
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         off = self.offsets()

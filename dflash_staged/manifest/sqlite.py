@@ -9,9 +9,10 @@ A manifest is a directory (``manifests/<name>/`` by default)::
 
 It is created atomically (:mod:`dflash_staged.manifest.build`), so it exists whole or not at
 all; the samples are immutable after creation. Every state transition of
-:mod:`dflash_staged.manifest.states` is one ``BEGIN IMMEDIATE`` transaction. **One host
-only**: SQLite locking is not safe on NFS or other network filesystems; keep the manifest on
-a local disk of the node that runs both extract and train.
+:mod:`dflash_staged.manifest.states` is one ``BEGIN IMMEDIATE`` transaction
+(:mod:`.sqlite_transitions`). **One host only**: SQLite locking is not safe on NFS or other
+network filesystems; keep the manifest on a local disk of the node that runs both extract and
+train.
 """
 
 from __future__ import annotations
@@ -21,24 +22,34 @@ import json
 import re
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
-from dflash_staged.manifest.base import Manifest, consume_ids, consume_refused, register_backend
+from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.build import ONE_HOST, check_local_fs, write_manifest_dir
-from dflash_staged.manifest.states import (IN_WINDOW, ClaimResult, Job, ManifestError, NoSuchJobError, Proc,
-                                           TrainerBusyError, check_format_version)
+from dflash_staged.manifest.sqlite_transitions import SqliteTransitions
+from dflash_staged.manifest.states import (
+    IN_WINDOW,
+    Job,
+    ManifestError,
+    NoSuchJobError,
+    Proc,
+    TrainerBusyError,
+    check_format_version,
+)
 from dflash_staged.procs import my_identity, pid_alive
 
-_FREE_CLAIM = "worker=NULL, host=NULL, pid=NULL, pid_start=NULL, lease_until=NULL"
 _IN = lambda states: "(" + ",".join(f"'{s}'" for s in states) + ")"  # noqa: E731
 
 
 @register_backend
-class SqliteManifest(Manifest):
+class SqliteManifest(SqliteTransitions, Manifest):
     """A manifest directory on a local disk; see the module docstring."""
+
+    CATCH_ALL = True  # any path is a directory (asked after every other backend)
 
     def __init__(self, dir: Path, conn: sqlite3.Connection, readonly: bool):
         self.dir = Path(dir)
@@ -51,14 +62,16 @@ class SqliteManifest(Manifest):
     # ------------------------------------------------------------------ creation / opening
     @classmethod
     def handles(cls, address) -> bool:
-        return True  # any path (asked last)
+        return True  # any path (asked last: CATCH_ALL)
 
     @classmethod
     def _dir(cls, address) -> Path:
         """The directory; a URL of a kind no backend takes is an error, never a directory named after it."""
         if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(address)):
-            raise ManifestError(f"manifest address {str(address)!r}: unknown kind of URL; a manifest is a directory "
-                                "(SQLite, one host) or postgresql://USER@HOST:PORT/DB#NAME")
+            raise ManifestError(
+                f"manifest address {str(address)!r}: unknown kind of URL; a manifest is a directory "
+                "(SQLite, one host) or postgresql://USER@HOST:PORT/DB#NAME"
+            )
         return Path(address)
 
     @classmethod
@@ -76,18 +89,25 @@ class SqliteManifest(Manifest):
         write_manifest_dir(d, **kw)
 
     @classmethod
-    def _open(cls, address, readonly: bool) -> "SqliteManifest":
+    def _open(cls, address, readonly: bool) -> SqliteManifest:
         dir = cls._dir(address)
         db = dir / "manifest.db"
         if not db.is_file():
-            raise ManifestError(f"no manifest at {dir} (missing {db.name}); run `dflash plan --manifest {dir}` first")
+            raise ManifestError(
+                f"no manifest at {dir} (missing {db.name}); run `dflash plan --manifest {dir}` first"
+            )
         if not readonly:
             check_local_fs(dir)
         # A path, not a URI: '#' and '?' in a directory name must reach SQLite as they are.
         try:
             if readonly:
-                conn = sqlite3.connect(f"file:{_uri_path(db)}?mode=ro", uri=True, isolation_level=None,
-                                       timeout=120.0, check_same_thread=False)
+                conn = sqlite3.connect(
+                    f"file:{_uri_path(db)}?mode=ro",
+                    uri=True,
+                    isolation_level=None,
+                    timeout=120.0,
+                    check_same_thread=False,
+                )
             else:
                 conn = sqlite3.connect(db, isolation_level=None, timeout=120.0, check_same_thread=False)
             conn.row_factory = sqlite3.Row
@@ -123,13 +143,17 @@ class SqliteManifest(Manifest):
 
     @staticmethod
     def _event(c: sqlite3.Connection, job: int | None, kind: str, detail: str) -> None:
-        c.execute("INSERT INTO events (t, job, kind, detail) VALUES (?, ?, ?, ?)", (time.time(), job, kind, detail))
+        c.execute(
+            "INSERT INTO events (t, job, kind, detail) VALUES (?, ?, ?, ?)", (time.time(), job, kind, detail)
+        )
 
     # ------------------------------------------------------------------ metadata and samples
     @property
     def meta(self) -> dict[str, Any]:
         if self._meta is None:
-            self._meta = {r["key"]: json.loads(r["value"]) for r in self._conn.execute("SELECT key, value FROM meta")}
+            self._meta = {
+                r["key"]: json.loads(r["value"]) for r in self._conn.execute("SELECT key, value FROM meta")
+            }
         return self._meta
 
     def set_meta(self, key: str, value: Any) -> None:
@@ -140,8 +164,11 @@ class SqliteManifest(Manifest):
     def _load_samples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._samples is None:
             d = self.dir / "samples"
-            self._samples = (np.load(d / "tokens.npy", mmap_mode="r"), np.load(d / "loss_mask.npy", mmap_mode="r"),
-                             np.load(d / "offsets.npy"))
+            self._samples = (
+                np.load(d / "tokens.npy", mmap_mode="r"),
+                np.load(d / "loss_mask.npy", mmap_mode="r"),
+                np.load(d / "offsets.npy"),
+            )
         return self._samples
 
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -174,15 +201,23 @@ class SqliteManifest(Manifest):
         r = c.execute(
             "SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN state='claimed' THEN real_tokens * ? "
             f"ELSE COALESCE(shard_bytes, 0) END), 0) AS b FROM jobs WHERE state IN {_IN(IN_WINDOW)}",
-            (int(json.loads(bpt["value"])) if bpt else 0,)).fetchone()
+            (int(json.loads(bpt["value"])) if bpt else 0,),
+        ).fetchone()
         return {"shards": int(r["n"]), "bytes": int(r["b"])}
 
     def ready_count(self) -> int:
-        return self._conn.execute("SELECT COUNT(*) FROM jobs WHERE state='written' AND taken_by IS NULL").fetchone()[0]
+        return self._conn.execute(
+            "SELECT COUNT(*) FROM jobs WHERE state='written' AND taken_by IS NULL"
+        ).fetchone()[0]
 
     def consumed_upto(self, step: int) -> list[Job]:
-        return [Job.from_row(r) for r in self._conn.execute(
-            "SELECT * FROM jobs WHERE state='consumed' AND step IS NOT NULL AND step <= ? ORDER BY id", (step,))]
+        return [
+            Job.from_row(r)
+            for r in self._conn.execute(
+                "SELECT * FROM jobs WHERE state='consumed' AND step IS NOT NULL AND step <= ? ORDER BY id",
+                (step,),
+            )
+        ]
 
     def events(self, kind: str | None = None) -> list[dict]:
         q, args = "SELECT * FROM events", ()
@@ -192,164 +227,29 @@ class SqliteManifest(Manifest):
 
     def requeue_reasons(self) -> dict[str, int]:
         reasons: dict[str, int] = {}
-        for r in self._conn.execute("SELECT detail, COUNT(*) AS n FROM events WHERE kind='requeue' GROUP BY detail"):
+        for r in self._conn.execute(
+            "SELECT detail, COUNT(*) AS n FROM events WHERE kind='requeue' GROUP BY detail"
+        ):
             key = (r["detail"] or "").split(":", 1)[0]
             reasons[key] = reasons.get(key, 0) + r["n"]
         return reasons
 
     def failed_errors(self) -> list[tuple[Job, str]]:
-        return [(Job.from_row(r), r["error"]) for r in
-                self._conn.execute("SELECT * FROM jobs WHERE state='failed' ORDER BY id")]
-
-    # ------------------------------------------------------------------ extract side
-    def _reclaim_stale(self, c: sqlite3.Connection, now: float) -> int:
-        n = 0
-        for r in c.execute("SELECT id, host, pid, pid_start, lease_until FROM jobs WHERE state = 'claimed'").fetchall():
-            expired = r["lease_until"] is not None and r["lease_until"] < now
-            if expired or not pid_alive(r["host"], r["pid"], r["pid_start"]):
-                c.execute(f"UPDATE jobs SET state='pending', {_FREE_CLAIM}, updated=? WHERE id=?", (now, r["id"]))
-                self._event(c, r["id"], "reclaim", "lease expired" if expired else f"worker pid {r['pid']} is gone")
-                n += 1
-        return n
-
-    def reclaim_stale(self) -> int:
-        with self._tx() as c:
-            return self._reclaim_stale(c, time.time())
-
-    def claim(self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0) -> ClaimResult:
-        host, pid, start = my_identity()
-        now = time.time()
-        with self._tx() as c:
-            self._reclaim_stale(c, now)
-            w = self.window(c)
-            row = c.execute("SELECT id FROM jobs WHERE state = 'pending' ORDER BY epoch, pos LIMIT 1").fetchone()
-            if row is None:
-                left = c.execute("SELECT COUNT(*) FROM jobs WHERE state='claimed'").fetchone()[0]
-                return ClaimResult(None, window=w, nothing_left=left == 0)
-            if w["shards"] >= window or (window_bytes and w["bytes"] >= window_bytes):
-                return ClaimResult(None, window_full=True, window=w)
-            c.execute("UPDATE jobs SET state='claimed', worker=?, host=?, pid=?, pid_start=?, lease_until=?, "
-                      "attempts=attempts+1, updated=? WHERE id=?",
-                      (worker, host, pid, start, now + lease_s, now, row["id"]))
-            job = Job.from_row(c.execute("SELECT * FROM jobs WHERE id=?", (row["id"],)).fetchone())
-        return ClaimResult(job, window=w)
-
-    @staticmethod
-    def _owned(c: sqlite3.Connection, job: Job) -> bool:
-        """Whether ``job`` (as claimed) still holds its claim: the same attempt by the same worker of the
-        same process (host, pid, start time: a worker id repeats on other hosts)."""
-        r = c.execute("SELECT state, worker, attempts, host, pid, pid_start FROM jobs WHERE id=?",
-                      (job.id,)).fetchone()
-        return r is not None and \
-            tuple(r) == ("claimed", job.worker, job.attempts, job.host, job.pid, job.pid_start)
-
-    def extend_lease(self, job: Job, lease_s: float) -> bool:
-        with self._tx() as c:
-            if not self._owned(c, job):
-                return False
-            c.execute("UPDATE jobs SET lease_until=? WHERE id=?", (time.time() + lease_s, job.id))
-            return True
-
-    def publish(self, job: Job, nbytes: int, checksum: str, commit=None) -> bool:
-        with self._tx() as c:
-            if not self._owned(c, job):
-                return False
-            if commit is not None:
-                commit()
-            c.execute("UPDATE jobs SET state='written', shard_bytes=?, checksum=?, lease_until=NULL, taken_by=NULL, "
-                      "rank=NULL, step=NULL, error=NULL, updated=?, written_seq=(SELECT COALESCE(MAX(written_seq), 0) "
-                      "+ 1 FROM jobs) WHERE id=?", (int(nbytes), checksum, time.time(), job.id))
-            return True
-
-    def give_back(self, job: Job, reason: str = "given back") -> bool:
-        with self._tx() as c:
-            if not self._owned(c, job):
-                return False
-            c.execute(f"UPDATE jobs SET state='pending', {_FREE_CLAIM}, updated=? WHERE id=?", (time.time(), job.id))
-            self._event(c, job.id, "abandon", reason)
-            return True
-
-    def fail(self, job: Job, error: str, max_attempts: int) -> str | None:
-        with self._tx() as c:
-            if not self._owned(c, job):
-                return None
-            r = c.execute("SELECT errors FROM jobs WHERE id=?", (job.id,)).fetchone()
-            state = "failed" if r["errors"] + 1 >= max_attempts else "pending"
-            c.execute(f"UPDATE jobs SET state=?, errors=errors+1, error=?, {_FREE_CLAIM}, updated=? WHERE id=?",
-                      (state, error[:2000], time.time(), job.id))
-            self._event(c, job.id, "error", error[:2000])
-            return state
-
-    def retry_failed(self) -> int:
-        with self._tx() as c:
-            return c.execute("UPDATE jobs SET state='pending', errors=0, updated=? WHERE state='failed'",
-                             (time.time(),)).rowcount
-
-    # ------------------------------------------------------------------ train side
-    def _jobs_in_order(self, c: sqlite3.Connection, ids: list[int]) -> dict[int, Job]:
-        rows = c.execute(f"SELECT * FROM jobs WHERE id IN ({','.join('?' * len(ids))})", ids) if ids else []
-        return {r["id"]: Job.from_row(r) for r in rows}
-
-    def take(self, trainer: str, rank: int, n: int) -> list[Job]:
-        with self._tx() as c:
-            ids = [r["id"] for r in c.execute("SELECT id FROM jobs WHERE state='written' AND taken_by IS NULL "
-                                              "ORDER BY written_seq LIMIT ?", (n,)).fetchall()]
-            c.executemany("UPDATE jobs SET taken_by=?, rank=? WHERE id=?", [(trainer, rank, i) for i in ids])
-            got = self._jobs_in_order(c, ids)
-        return [got[i] for i in ids]
-
-    def retake(self, trainer: str, rank: int, job_ids: Iterable[int]) -> list[Job]:
-        ids = [int(i) for i in job_ids]
-        with self._tx() as c:
-            c.executemany("UPDATE jobs SET taken_by=?1, rank=?2 WHERE id=?3 AND state='written' AND "
-                          "(taken_by IS NULL OR (taken_by=?1 AND rank=?2))",
-                          [(trainer, rank, i) for i in ids])
-            got = self._jobs_in_order(c, ids)
-        return [got[i] for i in ids if i in got and got[i].state == "written" and
-                (got[i].taken_by, got[i].rank) == (trainer, rank)]
-
-    def consume(self, job_ids: Iterable[int], step: int, rank_of: dict[int, int] | None = None) -> None:
-        ids, now = consume_ids(job_ids), time.time()
-        with self._tx() as c:
-            bad = [i for i in ids if c.execute(
-                "UPDATE jobs SET state='consumed', step=?1, rank=COALESCE(?2, rank), updated=?3 "
-                "WHERE id=?4 AND state='written' AND (taken_by IS NULL OR ?2 IS NULL OR rank=?2)",
-                (step, (rank_of or {}).get(i), now, i)).rowcount != 1]
-            if bad:  # all or nothing: the exception rolls the transaction back
-                raise consume_refused(step, bad, self._jobs_in_order(c, bad), rank_of)
-
-    def release(self, job_ids: Iterable[int], keep: bool = False) -> None:
-        with self._tx() as c:
-            c.executemany("UPDATE jobs SET state=?, taken_by=NULL, updated=? WHERE id=? AND state='consumed'",
-                          [("kept" if keep else "released", time.time(), i) for i in job_ids])
-
-    def requeue(self, job_id: int, reason: str) -> bool:
-        with self._tx() as c:
-            n = c.execute("UPDATE jobs SET state='pending', shard_bytes=NULL, checksum=NULL, written_seq=NULL, "
-                          "taken_by=NULL, rank=NULL, step=NULL, worker=NULL, updated=? "
-                          "WHERE id=? AND state IN ('written','consumed')", (time.time(), job_id)).rowcount
-            if n:
-                self._event(c, job_id, "requeue", reason[:2000])
-            return bool(n)
-
-    def resume_trainer(self, covered: dict[int, int]) -> list[int]:
-        now = time.time()
-        with self._tx() as c:
-            c.execute("CREATE TEMP TABLE IF NOT EXISTS cov (id INTEGER PRIMARY KEY, step INTEGER)")
-            c.execute("DELETE FROM cov")
-            c.executemany("INSERT INTO cov VALUES (?, ?)", list(covered.items()))
-            c.execute("UPDATE jobs SET state='written', step=NULL, updated=? WHERE state='consumed' "
-                      "AND id NOT IN (SELECT id FROM cov) AND shard_bytes IS NOT NULL", (now,))
-            c.execute("UPDATE jobs SET state='consumed', step=(SELECT step FROM cov WHERE cov.id = jobs.id), "
-                      "updated=? WHERE id IN (SELECT id FROM cov) AND state NOT IN ('released','kept')", (now,))
-            c.execute("UPDATE jobs SET taken_by=NULL WHERE taken_by IS NOT NULL")
-            ids = [r[0] for r in c.execute("SELECT id FROM jobs WHERE state='consumed' ORDER BY id")]
-            c.execute("DELETE FROM cov")
-        return ids
+        return [
+            (Job.from_row(r), r["error"])
+            for r in self._conn.execute("SELECT * FROM jobs WHERE state='failed' ORDER BY id")
+        ]
 
     # ------------------------------------------------------------------ processes
-    def register(self, role: str, *, group_id: str | None = None, rank: int | None = None,
-                 info: dict | None = None, exclusive: bool = False) -> str:
+    def register(
+        self,
+        role: str,
+        *,
+        group_id: str | None = None,
+        rank: int | None = None,
+        info: dict | None = None,
+        exclusive: bool = False,
+    ) -> str:
         host, pid, start = my_identity()
         pid_key = f"{role}:{host}:{pid}:{start}"
         now = time.time()
@@ -360,9 +260,12 @@ class SqliteManifest(Manifest):
                 elif exclusive and p["group_id"] != group_id and p["id"] != pid_key:
                     raise TrainerBusyError(
                         f"another {role} (host {p['host']}, pid {p['pid']}) already uses {self.dir}; stop it "
-                        "first, or run both as ranks of one DDP job. " + ONE_HOST)
-            c.execute("INSERT OR REPLACE INTO procs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                      (pid_key, role, host, pid, start, group_id, rank, now, now, json.dumps(info or {})))
+                        "first, or run both as ranks of one DDP job. " + ONE_HOST
+                    )
+            c.execute(
+                "INSERT OR REPLACE INTO procs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (pid_key, role, host, pid, start, group_id, rank, now, now, json.dumps(info or {})),
+            )
             self._event(c, None, f"start:{role}", json.dumps(info or {}))
         return pid_key
 
@@ -377,12 +280,17 @@ class SqliteManifest(Manifest):
         q, args = "SELECT * FROM procs", ()
         if role:
             q, args = q + " WHERE role=?", (role,)
-        return [Proc(id=p["id"], role=p["role"], host=p["host"], pid=p["pid"], pid_start=p["pid_start"],
-                     group_id=p["group_id"], rank=p["rank"], info=json.loads(p["info"] or "{}"))
-                for p in self._conn.execute(q, args).fetchall() if pid_alive(p["host"], p["pid"], p["pid_start"])]
+        return [
+            Proc.from_row(p)
+            for p in self._conn.execute(q, args).fetchall()
+            if pid_alive(p["host"], p["pid"], p["pid_start"])
+        ]
 
     def ever_registered(self, role: str) -> bool:
-        return self._conn.execute("SELECT COUNT(*) FROM events WHERE kind=?", (f"start:{role}",)).fetchone()[0] > 0
+        return (
+            self._conn.execute("SELECT COUNT(*) FROM events WHERE kind=?", (f"start:{role}",)).fetchone()[0]
+            > 0
+        )
 
     def log_event(self, kind: str, detail: str = "", job: int | None = None) -> None:
         with self._tx() as c:
@@ -392,5 +300,5 @@ class SqliteManifest(Manifest):
 def _uri_path(p: Path) -> str:
     """``p`` percent-encoded for a ``file:`` URI ('#', '?' and '%' would otherwise end the path)."""
     from urllib.parse import quote
-    return quote(str(p.resolve()))
 
+    return quote(str(p.resolve()))

@@ -43,8 +43,9 @@ Every transition is one transaction::
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from dflash_staged.errors import DflashError
 
@@ -98,16 +99,30 @@ class Job:
     boot_id: str | None = None  # the claiming host's boot (PostgreSQL only)
 
     @classmethod
-    def from_row(cls, r: Mapping[str, Any]) -> "Job":
+    def from_row(cls, r: Mapping[str, Any]) -> Job:
         ids, keys = r["sample_ids"], r.keys()
-        return cls(id=r["id"], epoch=r["epoch"], pos=r["pos"], bucket=r["bucket"],
-                   sample_ids=json.loads(ids) if isinstance(ids, str) else list(ids),
-                   real_tokens=r["real_tokens"], padded_tokens=r["padded_tokens"], state=r["state"],
-                   attempts=r["attempts"], worker=r["worker"], shard_bytes=r["shard_bytes"],
-                   checksum=r["checksum"], step=r["step"], rank=r["rank"], taken_by=r["taken_by"],
-                   host=r["host"], pid=r["pid"], lease_until=r["lease_until"],
-                   pid_start=r["pid_start"] if "pid_start" in keys else None,
-                   boot_id=r["boot_id"] if "boot_id" in keys else None)
+        return cls(
+            id=r["id"],
+            epoch=r["epoch"],
+            pos=r["pos"],
+            bucket=r["bucket"],
+            sample_ids=json.loads(ids) if isinstance(ids, str) else list(ids),
+            real_tokens=r["real_tokens"],
+            padded_tokens=r["padded_tokens"],
+            state=r["state"],
+            attempts=r["attempts"],
+            worker=r["worker"],
+            shard_bytes=r["shard_bytes"],
+            checksum=r["checksum"],
+            step=r["step"],
+            rank=r["rank"],
+            taken_by=r["taken_by"],
+            host=r["host"],
+            pid=r["pid"],
+            lease_until=r["lease_until"],
+            pid_start=r["pid_start"] if "pid_start" in keys else None,
+            boot_id=r["boot_id"] if "boot_id" in keys else None,
+        )
 
 
 @dataclass
@@ -121,6 +136,7 @@ class ClaimResult:
 @dataclass
 class Proc:
     """A registered extract or train process."""
+
     id: str
     role: str
     host: str
@@ -131,12 +147,29 @@ class Proc:
     info: dict
     heartbeat: float | None = None  # last heartbeat (the manifest's clock), where the backend keeps one
 
+    @classmethod
+    def from_row(cls, p: Mapping[str, Any], heartbeat: float | None = None) -> Proc:
+        """A row of a backend's ``procs`` table (``info`` as JSON text)."""
+        return cls(
+            id=p["id"],
+            role=p["role"],
+            host=p["host"],
+            pid=p["pid"],
+            pid_start=p["pid_start"],
+            group_id=p["group_id"],
+            rank=p["rank"],
+            info=json.loads(p["info"] or "{}"),
+            heartbeat=heartbeat,
+        )
+
 
 def check_format_version(version, where) -> None:
     """ManifestError unless a manifest's recorded ``format_version`` is the one this code reads."""
     if version != FORMAT_VERSION:
-        raise ManifestError(f"{where} has manifest format_version {version}; this dflash-staged reads version "
-                            f"{FORMAT_VERSION}: re-plan it with this version (or use the version that wrote it)")
+        raise ManifestError(
+            f"{where} has manifest format_version {version}; this dflash-staged reads version "
+            f"{FORMAT_VERSION}: re-plan it with this version (or use the version that wrote it)"
+        )
 
 
 def group_counts(counts: Mapping[str, int]) -> dict[str, int]:

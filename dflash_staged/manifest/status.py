@@ -21,10 +21,12 @@ def format_status(st: dict) -> str:
     g = group_counts(jobs)
     extracted, trained = g["extracted"], g["trained"]
     win = st["window"]
-    rows.append(f"extracted {extracted:,}/{total:,} ({extracted / total:.1%}), trained {trained:,}/{total:,} "
-                f"({trained / total:.1%}) over {st['epochs']} epoch(s); window {win['shards']} shards "
-                f"{human_bytes(win['bytes'])}; extract {'done' if st['extract_done'] else 'running'}; "
-                f"padding waste {st['padding_waste']:.2%}")
+    rows.append(
+        f"extracted {extracted:,}/{total:,} ({extracted / total:.1%}), trained {trained:,}/{total:,} "
+        f"({trained / total:.1%}) over {st['epochs']} epoch(s); window {win['shards']} shards "
+        f"{human_bytes(win['bytes'])}; extract {'done' if st['extract_done'] else 'running'}; "
+        f"padding waste {st['padding_waste']:.2%}"
+    )
     rows += format_hosts(st.get("hosts", []))
     return "\n".join(rows)
 
@@ -33,11 +35,26 @@ def format_hosts(hosts: list[dict]) -> list[str]:
     """One line per host: its processes (heartbeat age) and its workers' claims (lease left)."""
     lines = []
     for h in hosts:
-        procs = ", ".join(f"{p['role']} pid {p['pid']}" + (f" rank {p['rank']}" if p["rank"] is not None else "")
-                          + (f" (heartbeat {p['heartbeat_age_s']:.0f} s ago)" if p["heartbeat_age_s"] is not None
-                             else "") for p in h["processes"]) or "no live process"
-        claims = "; ".join(f"{w['worker']} pid {w['pid']}: {len(w['jobs'])} claim(s), lease "
-                           + (f"{w['lease_left_s']:.0f} s left" if w["lease_left_s"] is not None else "none")
-                           for w in h["workers"]) or "no claims"
+        procs = (
+            ", ".join(
+                f"{p['role']} pid {p['pid']}"
+                + (f" rank {p['rank']}" if p["rank"] is not None else "")
+                + (
+                    f" (heartbeat {p['heartbeat_age_s']:.0f} s ago)"
+                    if p["heartbeat_age_s"] is not None
+                    else ""
+                )
+                for p in h["processes"]
+            )
+            or "no live process"
+        )
+        claims = (
+            "; ".join(
+                f"{w['worker']} pid {w['pid']}: {len(w['jobs'])} claim(s), lease "
+                + (f"{w['lease_left_s']:.0f} s left" if w["lease_left_s"] is not None else "none")
+                for w in h["workers"]
+            )
+            or "no claims"
+        )
         lines.append(f"host {h['host']}: {procs} | {claims}")
     return lines

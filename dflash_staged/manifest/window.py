@@ -29,8 +29,9 @@ from dflash_staged.config import Config
 from dflash_staged.manifest.status import human_bytes as _size
 
 
-def window_check(cfg: Config, window: int, workers: int, ranks: int, *, window_bytes: int = 0,
-                 shard_bytes_max: int = 0) -> tuple[str | None, str | None]:
+def window_check(
+    cfg: Config, window: int, workers: int, ranks: int, *, window_bytes: int = 0, shard_bytes_max: int = 0
+) -> tuple[str | None, str | None]:
     """(error, warning) about a window of ``window`` shards (and ``window_bytes`` bytes, 0 = no
     byte limit; checked when the largest shard's bytes are known) against ``ranks`` trainer ranks."""
     t = cfg.train
@@ -38,24 +39,30 @@ def window_check(cfg: Config, window: int, workers: int, ranks: int, *, window_b
     per_ckpt = t.checkpoint_every * t.grad_accum * ranks
     comfortable = need + 3 * workers + per_ckpt
     if window < need:
-        return (f"--window {window} < train.buffer_capacity {t.buffer_capacity} x {ranks} trainer rank(s) = "
-                f"{need}: when the window's shards are all of one length bucket the trainer waits for more "
-                f"while extract waits for room, forever. Raise --window to at least {need} (comfortable: "
-                f"{comfortable}), or lower train.buffer_capacity"), None
+        return (
+            f"--window {window} < train.buffer_capacity {t.buffer_capacity} x {ranks} trainer rank(s) = "
+            f"{need}: when the window's shards are all of one length bucket the trainer waits for more "
+            f"while extract waits for room, forever. Raise --window to at least {need} (comfortable: "
+            f"{comfortable}), or lower train.buffer_capacity"
+        ), None
     if window_bytes and shard_bytes_max:
         need_b = need * shard_bytes_max
         if window_bytes < need_b:
-            return (f"--window-bytes {_size(window_bytes)} < train.buffer_capacity {t.buffer_capacity} x "
-                    f"{ranks} trainer rank(s) x {_size(shard_bytes_max)} (the largest shard) = "
-                    f"{_size(need_b)}: extract would stop claiming before the trainer's buffers can fill, "
-                    f"and both would wait forever. Raise --window-bytes to at least {need_b} ({_size(need_b)}), lower "
-                    "train.buffer_capacity, or plan smaller jobs (data.token_budget)"), None
+            return (
+                f"--window-bytes {_size(window_bytes)} < train.buffer_capacity {t.buffer_capacity} x "
+                f"{ranks} trainer rank(s) x {_size(shard_bytes_max)} (the largest shard) = "
+                f"{_size(need_b)}: extract would stop claiming before the trainer's buffers can fill, "
+                f"and both would wait forever. Raise --window-bytes to at least {need_b} "
+                f"({_size(need_b)}), lower train.buffer_capacity, or plan smaller jobs (data.token_budget)"
+            ), None
     if window < comfortable:
-        return None, (f"window {window} is {comfortable - window} shard(s) short of buffer capacity "
-                      f"{t.buffer_capacity} x {ranks} rank(s) + 3 x {workers} worker(s) + {per_ckpt} "
-                      f"shards consumed per checkpoint interval ({t.checkpoint_every} steps x "
-                      f"{t.grad_accum} x {ranks}) = {comfortable}: target workers may idle while the "
-                      "trainer holds shards; raise --window to keep them busy")
+        return None, (
+            f"window {window} is {comfortable - window} shard(s) short of buffer capacity "
+            f"{t.buffer_capacity} x {ranks} rank(s) + 3 x {workers} worker(s) + {per_ckpt} "
+            f"shards consumed per checkpoint interval ({t.checkpoint_every} steps x "
+            f"{t.grad_accum} x {ranks}) = {comfortable}: target workers may idle while the "
+            "trainer holds shards; raise --window to keep them busy"
+        )
     return None, None
 
 
@@ -74,19 +81,32 @@ class WindowSettings:
     shard_bytes_max: int = 0  # the plan's largest shard in bytes; 0 = unknown (the byte rule is not checked)
 
     def to_meta(self) -> dict:
-        return {"shards": self.shards, "bytes": self.window_bytes, "workers": self.workers,
-                "shard_bytes_max": self.shard_bytes_max}
+        return {
+            "shards": self.shards,
+            "bytes": self.window_bytes,
+            "workers": self.workers,
+            "shard_bytes_max": self.shard_bytes_max,
+        }
 
     @classmethod
     def from_meta(cls, meta: dict | None, fallback_shards: int) -> WindowSettings:
         """The published settings, or (``meta`` empty) a window of ``fallback_shards`` shards."""
         if not meta:
             return cls(shards=int(fallback_shards))
-        return cls(shards=int(meta["shards"]), window_bytes=int(meta.get("bytes") or 0),
-                   workers=int(meta.get("workers") or 1),
-                   shard_bytes_max=int(meta.get("shard_bytes_max") or 0))
+        return cls(
+            shards=int(meta["shards"]),
+            window_bytes=int(meta.get("bytes") or 0),
+            workers=int(meta.get("workers") or 1),
+            shard_bytes_max=int(meta.get("shard_bytes_max") or 0),
+        )
 
     def check(self, cfg: Config, ranks: int) -> tuple[str | None, str | None]:
         """:func:`window_check` of these settings against ``ranks`` trainer ranks."""
-        return window_check(cfg, self.shards, self.workers, ranks, window_bytes=self.window_bytes,
-                            shard_bytes_max=self.shard_bytes_max)
+        return window_check(
+            cfg,
+            self.shards,
+            self.workers,
+            ranks,
+            window_bytes=self.window_bytes,
+            shard_bytes_max=self.shard_bytes_max,
+        )

@@ -67,6 +67,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 @dataclass
 class Packing:
     """Where every token and anchor of a training pass sits (computed once per pass)."""
+
     N: int  # sequences
     A: int  # anchors
     B: int  # block size
@@ -84,7 +85,7 @@ class Packing:
     counts: torch.Tensor  # [N] anchors per sequence
 
     @classmethod
-    def of(cls, cu_seqlens: torch.Tensor, anchors: torch.Tensor, block_size: int, T: int) -> "Packing":
+    def of(cls, cu_seqlens: torch.Tensor, anchors: torch.Tensor, block_size: int, T: int) -> Packing:
         """One host sync (the sizes)."""
         dev = anchors.device
         cu = cu_seqlens.to(device=dev, dtype=torch.long)
@@ -98,9 +99,23 @@ class Packing:
         first = torch.cumsum(counts, 0) - counts
         a_slot = torch.arange(anchors.numel(), device=dev) - first[a_seq]
         Lmax, M = (int(v) for v in torch.stack([lengths.max(), counts.max()]).tolist())
-        return cls(N=N, A=anchors.numel(), B=block_size, T=T, Lmax=Lmax, M=M, cu=cu, seq_of_tok=seq_of_tok,
-                   pos_of_tok=pos_of_tok, srt=srt, perm=perm, a_seq=a_seq, a_pos=pos_of_tok[srt], a_slot=a_slot,
-                   counts=counts)
+        return cls(
+            N=N,
+            A=anchors.numel(),
+            B=block_size,
+            T=T,
+            Lmax=Lmax,
+            M=M,
+            cu=cu,
+            seq_of_tok=seq_of_tok,
+            pos_of_tok=pos_of_tok,
+            srt=srt,
+            perm=perm,
+            a_seq=a_seq,
+            a_pos=pos_of_tok[srt],
+            a_slot=a_slot,
+            counts=counts,
+        )
 
     def needed_pairs(self, window: int = 0) -> int:
         """Query-key pairs the rule lets through (the work an exact kernel must do)."""
@@ -120,7 +135,9 @@ class SdpaBlocks:
         self.pk = pk
         dev = pk.srt.device
         self.chunk = anchor_chunk(pk.N, pk.M, pk.Lmax, pk.B, nheads, dev)
-        self.anchor_pad = torch.zeros(pk.N, pk.M, dtype=torch.long, device=dev)  # padding anchors see no context
+        self.anchor_pad = torch.zeros(
+            pk.N, pk.M, dtype=torch.long, device=dev
+        )  # padding anchors see no context
         self.anchor_pad[pk.a_seq, pk.a_slot] = pk.a_pos
         self.bounds = self._bounds(sorted(windows), cut_keys)
         self.computed = 0  # query-key pairs handed to SDPA (for the benchmark)
@@ -134,7 +151,9 @@ class SdpaBlocks:
             return {w: [(0, pk.Lmax)] * n_chunks for w in windows}
         pad = n_chunks * c - pk.M
         ap = F.pad(self.anchor_pad, (0, pad)).view(pk.N, n_chunks, c)
-        valid = F.pad(torch.arange(pk.M, device=ap.device)[None] < pk.counts[:, None], (0, pad)).view(pk.N, n_chunks, c)
+        valid = F.pad(torch.arange(pk.M, device=ap.device)[None] < pk.counts[:, None], (0, pad)).view(
+            pk.N, n_chunks, c
+        )
         rows = [ap.amax(dim=(0, 2))]
         big = torch.iinfo(torch.long).max
         for w in windows:
@@ -155,11 +174,13 @@ class SdpaBlocks:
             c = min(self.chunk, pk.M - m0)
             key_pos = torch.arange(lo, hi, device=dev)
             idx = (pk.cu[:-1, None] + key_pos).clamp(max=pk.T - 1)
-            anchor = self.anchor_pad[:, m0:m0 + c, None, None]  # [N, c, 1, 1]
+            anchor = self.anchor_pad[:, m0 : m0 + c, None, None]  # [N, c, 1, 1]
             offs = torch.arange(B, device=dev)[:, None]
             see_ctx = context_visible(key_pos, anchor, offs, window).expand(-1, -1, B, -1).flatten(1, 2)
             blk = torch.arange(c * B, device=dev)
-            see_blk = (blk[:, None] // B == blk[None] // B) & block_visible(blk[None] % B, blk[:, None] % B, window)
+            see_blk = (blk[:, None] // B == blk[None] // B) & block_visible(
+                blk[None] % B, blk[:, None] % B, window
+            )
             self._chunks[(window, j)] = idx, torch.cat([see_ctx, see_blk.expand(pk.N, -1, -1)], 2)[:, None]
         return self._chunks[(window, j)]
 
@@ -179,9 +200,9 @@ class SdpaBlocks:
             m0 = j * self.chunk
             c = min(self.chunk, pk.M - m0)
             idx, mask = self._chunk(window, j)
-            qc = q[:, m0:m0 + c].flatten(1, 2).transpose(1, 2)  # [N, nh, cB, hd]
-            kc = torch.cat([k_c[idx], k_b[:, m0:m0 + c].flatten(1, 2)], 1).transpose(1, 2)
-            vc = torch.cat([v_c[idx], v_b[:, m0:m0 + c].flatten(1, 2)], 1).transpose(1, 2)
+            qc = q[:, m0 : m0 + c].flatten(1, 2).transpose(1, 2)  # [N, nh, cB, hd]
+            kc = torch.cat([k_c[idx], k_b[:, m0 : m0 + c].flatten(1, 2)], 1).transpose(1, 2)
+            vc = torch.cat([v_c[idx], v_b[:, m0 : m0 + c].flatten(1, 2)], 1).transpose(1, 2)
             self.computed += pk.N * c * B * (hi - lo + c * B)
             o = sdpa(qc, kc, vc, mask)
             outs.append(o.transpose(1, 2).unflatten(1, (c, B)))  # [N, c, B, nh, hd]
@@ -192,8 +213,9 @@ def anchor_chunk(N: int, M: int, Lmax: int, B: int, nheads: int, dev: torch.devi
     """Anchors per sequence in one SDPA call. Each query of a chunk of ``c`` anchors is scored
     against all ``c*B`` block keys of the chunk (``B`` of them visible), so ``c*B`` is held to a
     quarter of the longest sequence (at least 4 anchors): with each chunk's keys cut to its
-    anchors, fine chunks waste little (finer still measured no faster on CPU). The mask (CUDA kernels do not materialise scores) or
-    the scores (CPU math path) of one call stay within ``ATTN_CHUNK_ELEMS``."""
+    anchors, fine chunks waste little (finer still measured no faster on CPU). The mask (CUDA kernels
+    do not materialise scores) or the scores (CPU math path) of one call stay within
+    ``ATTN_CHUNK_ELEMS``."""
     per_key = N * (1 if dev.type == "cuda" else nheads)
     c = max(1, min(M, max(4, Lmax // (4 * B))))
     while c > 1 and per_key * c * B * (Lmax + c * B) > ATTN_CHUNK_ELEMS:

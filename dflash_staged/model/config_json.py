@@ -54,22 +54,39 @@ class DraftModelConfig:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise DflashError(f"drafter config: {msg}")
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):
+
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "num_target_layers",
+        ):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         need(self.block_size >= 2, f"block_size={self.block_size} must be >= 2")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-             f"num_key_value_heads={self.num_key_value_heads}")
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={self.num_key_value_heads}",
+        )
         need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE)")
         need(len(self.target_layer_ids) >= 1, "target_layer_ids is empty")
-        need(all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
-             f"target_layer_ids={self.target_layer_ids} must lie in 0..{self.num_target_layers - 1}")
-        need(0 <= self.mask_token_id < self.vocab_size,
-             f"mask_token_id={self.mask_token_id} must lie in 0..{self.vocab_size - 1}")
+        need(
+            all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
+            f"target_layer_ids={self.target_layer_ids} must lie in 0..{self.num_target_layers - 1}",
+        )
+        need(
+            0 <= self.mask_token_id < self.vocab_size,
+            f"mask_token_id={self.mask_token_id} must lie in 0..{self.vocab_size - 1}",
+        )
         need(self.hidden_act == "silu", f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
-        need(self.dtype in ("float32", "bfloat16", "float16"),
-             f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        need(
+            self.dtype in ("float32", "bfloat16", "float16"),
+            f"dtype={self.dtype!r}: use float32, bfloat16 or float16",
+        )
         self.layer_types = list(self.layer_types) or [FULL] * self.num_hidden_layers
         why = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, "")
         need(why is None, why or "")
@@ -81,21 +98,42 @@ class DraftModelConfig:
         return SLIDING in self.layer_types
 
     @classmethod
-    def from_config(cls, cfg, target_hidden: int, target_vocab: int, num_target_layers: int,
-                    layer_ids: list[int], mask_token_id: int) -> "DraftModelConfig":
+    def from_config(
+        cls,
+        cfg,
+        target_hidden: int,
+        target_vocab: int,
+        num_target_layers: int,
+        layer_ids: list[int],
+        mask_token_id: int,
+    ) -> DraftModelConfig:
         """Build from the project :class:`~dflash_staged.config.Config` plus facts about the target."""
         d = cfg.drafter
         heads = d.num_attention_heads
         if not d.head_dim and target_hidden % heads:
-            raise DflashError(f"drafter.head_dim=0 needs target hidden size {target_hidden} divisible by "
-                              f"drafter.num_attention_heads={heads}; set drafter.head_dim")
-        return cls(hidden_size=target_hidden, intermediate_size=d.intermediate_size or 3 * target_hidden,
-                   num_hidden_layers=d.num_hidden_layers, num_attention_heads=heads,
-                   num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim or target_hidden // heads,
-                   vocab_size=target_vocab, block_size=d.block_size, num_target_layers=num_target_layers,
-                   target_layer_ids=list(layer_ids), mask_token_id=mask_token_id, rms_norm_eps=d.rms_norm_eps,
-                   rope_theta=d.rope_theta, max_position_embeddings=d.max_position_embeddings, dtype=d.dtype,
-                   layer_types=list(d.layer_types), sliding_window=d.sliding_window or None)
+            raise DflashError(
+                f"drafter.head_dim=0 needs target hidden size {target_hidden} divisible by "
+                f"drafter.num_attention_heads={heads}; set drafter.head_dim"
+            )
+        return cls(
+            hidden_size=target_hidden,
+            intermediate_size=d.intermediate_size or 3 * target_hidden,
+            num_hidden_layers=d.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=d.num_key_value_heads,
+            head_dim=d.head_dim or target_hidden // heads,
+            vocab_size=target_vocab,
+            block_size=d.block_size,
+            num_target_layers=num_target_layers,
+            target_layer_ids=list(layer_ids),
+            mask_token_id=mask_token_id,
+            rms_norm_eps=d.rms_norm_eps,
+            rope_theta=d.rope_theta,
+            max_position_embeddings=d.max_position_embeddings,
+            dtype=d.dtype,
+            layer_types=list(d.layer_types),
+            sliding_window=d.sliding_window or None,
+        )
 
     @property
     def rope_parameters(self) -> dict[str, Any]:
@@ -113,57 +151,68 @@ class DraftModelConfig:
         ``block_size`` sits at top level (reference) and in ``dflash_config`` (SGLang).
         """
         d: dict[str, Any] = dict(self.extra)
-        d.update({
-            "architectures": [ARCHITECTURE],
-            "model_type": "qwen3",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "block_size": self.block_size,
-            "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids)},
-            "dtype": self.dtype,
-            "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "hidden_size": self.hidden_size,
-            "initializer_range": 0.02,
-            "intermediate_size": self.intermediate_size,
-            "layer_types": list(self.layer_types),
-            "max_position_embeddings": self.max_position_embeddings,
-            "max_window_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_key_value_heads": self.num_key_value_heads,
-            "num_target_layers": self.num_target_layers,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": self.rope_parameters,
-            "rope_scaling": self.rope_scaling,
-            "rope_theta": self.rope_theta,
-            "sliding_window": self.sliding_window,
-            "tie_word_embeddings": False,
-            "use_cache": True,
-            "use_sliding_window": self.use_sliding_window,
-            "vocab_size": self.vocab_size,
-        })
+        d.update(
+            {
+                "architectures": [ARCHITECTURE],
+                "model_type": "qwen3",
+                "attention_bias": False,
+                "attention_dropout": 0.0,
+                "block_size": self.block_size,
+                "dflash_config": {
+                    "block_size": self.block_size,
+                    "mask_token_id": self.mask_token_id,
+                    "target_layer_ids": list(self.target_layer_ids),
+                },
+                "dtype": self.dtype,
+                "head_dim": self.head_dim,
+                "hidden_act": self.hidden_act,
+                "hidden_size": self.hidden_size,
+                "initializer_range": 0.02,
+                "intermediate_size": self.intermediate_size,
+                "layer_types": list(self.layer_types),
+                "max_position_embeddings": self.max_position_embeddings,
+                "max_window_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_key_value_heads": self.num_key_value_heads,
+                "num_target_layers": self.num_target_layers,
+                "rms_norm_eps": self.rms_norm_eps,
+                "rope_parameters": self.rope_parameters,
+                "rope_scaling": self.rope_scaling,
+                "rope_theta": self.rope_theta,
+                "sliding_window": self.sliding_window,
+                "tie_word_embeddings": False,
+                "use_cache": True,
+                "use_sliding_window": self.use_sliding_window,
+                "vocab_size": self.vocab_size,
+            }
+        )
         return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "DraftModelConfig":
+    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> DraftModelConfig:
         """Parse a reference ``config.json`` (ours or a released z-lab drafter)."""
         arch = d.get("architectures") or []
         if ARCHITECTURE not in arch:
-            raise DflashError(f"{source}: architectures={arch} is not a DFlash drafter; expected "
-                              f"[\"{ARCHITECTURE}\"]")
+            raise DflashError(
+                f'{source}: architectures={arch} is not a DFlash drafter; expected ["{ARCHITECTURE}"]'
+            )
         dfl = d.get("dflash_config") or {}
         types = list(d.get("layer_types") or [])
         window = d.get("sliding_window")
         if SLIDING in types and not d.get("use_sliding_window"):
-            raise DflashError(f"{source}: layer_types has {SLIDING} layers but use_sliding_window is not true, so "
-                              "transformers would drop sliding_window; set use_sliding_window: true and sliding_window")
-        if types and (why := check_layer_types(types, int(d.get("num_hidden_layers", len(types))), window,
-                                               f"{source}: ")):
+            raise DflashError(
+                f"{source}: layer_types has {SLIDING} layers but use_sliding_window is not true, so "
+                "transformers would drop sliding_window; set use_sliding_window: true and sliding_window"
+            )
+        if types and (
+            why := check_layer_types(
+                types, int(d.get("num_hidden_layers", len(types))), window, f"{source}: "
+            )
+        ):
             raise DflashError(why)
         if d.get("attention_bias"):
             raise DflashError(f"{source}: attention_bias=true is not supported")
@@ -181,26 +230,34 @@ class DraftModelConfig:
                 raise KeyError("block_size")
             known = set(cls.__dataclass_fields__) | set(cls(**_TEMPLATE).to_dict())
             return cls(
-                hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=heads,
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
                 num_key_value_heads=int(d.get("num_key_value_heads", heads)),
                 head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-                vocab_size=int(d["vocab_size"]), block_size=int(block),
+                vocab_size=int(d["vocab_size"]),
+                block_size=int(block),
                 num_target_layers=int(d["num_target_layers"]),
                 target_layer_ids=[int(i) for i in dfl["target_layer_ids"]],
-                mask_token_id=int(dfl["mask_token_id"]), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta if rope_theta is not None else 10000.0), rope_scaling=scaling,
+                mask_token_id=int(dfl["mask_token_id"]),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                rope_scaling=scaling,
                 max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
                 hidden_act=d.get("hidden_act", "silu"),
                 dtype=str(d.get("dtype") or d.get("torch_dtype") or "bfloat16"),
-                layer_types=types, sliding_window=int(window) if SLIDING in types else None,
-                extra={k: v for k, v in d.items() if k not in known and k != "torch_dtype"})
+                layer_types=types,
+                sliding_window=int(window) if SLIDING in types else None,
+                extra={k: v for k, v in d.items() if k not in known and k != "torch_dtype"},
+            )
         except KeyError as e:
-            raise DflashError(f"{source}: missing field {e.args[0]!r}; this is not a complete DFlash "
-                              "drafter config") from None
+            raise DflashError(
+                f"{source}: missing field {e.args[0]!r}; this is not a complete DFlash drafter config"
+            ) from None
 
     @classmethod
-    def from_json(cls, text: str, source: str = "config.json") -> "DraftModelConfig":
+    def from_json(cls, text: str, source: str = "config.json") -> DraftModelConfig:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -213,18 +270,38 @@ class DraftModelConfig:
         transformers 5 reads RoPE from ``rope_parameters``; 4.x (4.57, the floor) from
         ``rope_theta`` and ``rope_scaling`` with a ``rope_type`` key. Both are handled."""
         from transformers import Qwen3Config
-        fields = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                      num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-                      num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                      vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-                      max_position_embeddings=self.max_position_embeddings)
+
+        fields = dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+        )
         if hasattr(Qwen3Config(), "rope_parameters"):  # transformers >= 5
             return Qwen3Config(**fields, rope_parameters=self.rope_parameters)
         scaling = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
-        return Qwen3Config(**fields, rope_theta=float(self.rope_theta),
-                           rope_scaling=None if scaling["rope_type"] == "default" else scaling)
+        return Qwen3Config(
+            **fields,
+            rope_theta=float(self.rope_theta),
+            rope_scaling=None if scaling["rope_type"] == "default" else scaling,
+        )
 
 
-_TEMPLATE = dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-                 num_key_value_heads=1, head_dim=8, vocab_size=8, block_size=2, num_target_layers=1,
-                 target_layer_ids=[0], mask_token_id=0)
+_TEMPLATE = dict(
+    hidden_size=8,
+    intermediate_size=8,
+    num_hidden_layers=1,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+    head_dim=8,
+    vocab_size=8,
+    block_size=2,
+    num_target_layers=1,
+    target_layer_ids=[0],
+    mask_token_id=0,
+)

@@ -32,18 +32,24 @@ def target_text_config(tcfg: TargetConfig, local_only: bool = False):
     """
     if tcfg.model.startswith("tiny:"):
         from dflash_staged.model.tiny import KINDS, tiny_config
+
         kind = tcfg.model.split(":", 1)[1]
         if kind not in KINDS:
-            raise DflashError(f"target.model={tcfg.model!r}: unknown tiny target; use one of "
-                              f"{', '.join('tiny:' + k for k in KINDS)}")
+            raise DflashError(
+                f"target.model={tcfg.model!r}: unknown tiny target; use one of "
+                f"{', '.join('tiny:' + k for k in KINDS)}"
+            )
         return tiny_config(kind)
     from transformers import AutoConfig
+
     kw = {"gguf_file": tcfg.gguf_file} if tcfg.gguf_file else {}
     try:
         mcfg = AutoConfig.from_pretrained(tcfg.model, local_files_only=local_only, **kw)
     except Exception as e:  # noqa: BLE001 - any load failure is a user-fixable path problem
-        raise DflashError(f"target.model={tcfg.model!r}: cannot read the model config ({type(e).__name__}: {e}); "
-                          "check the path or hub id (offline, the files must be local)") from None
+        raise DflashError(
+            f"target.model={tcfg.model!r}: cannot read the model config ({type(e).__name__}: {e}); "
+            "check the path or hub id (offline, the files must be local)"
+        ) from None
     return text_config(mcfg)
 
 
@@ -52,5 +58,7 @@ def target_dims(tcfg: TargetConfig, local_only: bool = False) -> TargetDims:
     c = target_text_config(tcfg, local_only)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not getattr(c, k, None)]
     if missing:
-        raise DflashError(f"target.model={tcfg.model!r}: its config has no {', '.join(missing)}; is it a causal LM?")
+        raise DflashError(
+            f"target.model={tcfg.model!r}: its config has no {', '.join(missing)}; is it a causal LM?"
+        )
     return TargetDims(int(c.num_hidden_layers), int(c.hidden_size), int(c.vocab_size))

@@ -31,8 +31,8 @@ Contract (the trainer, the evaluator and :mod:`dflash_staged.weights` rely on it
   ``DynamicCache``. They agree to fp32 rounding.
 * **Checkpoint.** :class:`DraftModelConfig` is the reference ``config.json``
   (z-lab ``DFlashDraftModel``, in :mod:`dflash_staged.model.config_json`); parameter
-  names are those of the reference (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ``hidden_norm.weight``,
-  ``norm.weight``, ...). Save/load lives in :mod:`dflash_staged.weights`.
+  names are those of the reference (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``,
+  ``hidden_norm.weight``, ``norm.weight``, ...). Save/load lives in :mod:`dflash_staged.weights`.
 * **Precision.** Parameters are created in fp32. On CUDA the trainer runs the
   forward under bf16 autocast; the frozen embedding/head keep the dtype they were
   given (``.to(device)`` moves them, an explicit ``.float()`` would upcast them).
@@ -40,15 +40,15 @@ Contract (the trainer, the evaluator and :mod:`dflash_staged.weights` rely on it
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_staged.errors import DflashError
 from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visible, context_visible, sdpa
 from dflash_staged.model.config_json import ARCHITECTURE, SLIDING, DraftModelConfig  # noqa: F401 (re-export)
-from dflash_staged.errors import DflashError
 
 
 class RMSNorm(nn.Module):
@@ -149,8 +149,10 @@ class DFlashDrafter(nn.Module):
         V, H = c.vocab_size, c.hidden_size
         for name, w in (("embedding", embed_weight), ("LM head", lm_head_weight)):
             if w.dim() != 2 or w.shape[1] != H or w.shape[0] < V:
-                raise DflashError(f"target {name} has shape {tuple(w.shape)}; the drafter config needs "
-                                  f"[>= {V}, {H}] (vocab_size x hidden_size): wrong target for this drafter?")
+                raise DflashError(
+                    f"target {name} has shape {tuple(w.shape)}; the drafter config needs "
+                    f"[>= {V}, {H}] (vocab_size x hidden_size): wrong target for this drafter?"
+                )
         self.block_size = c.block_size
         self.mask_token_id = c.mask_token_id
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
@@ -167,8 +169,11 @@ class DFlashDrafter(nn.Module):
     def _rope_init(c: DraftModelConfig) -> tuple[torch.Tensor, float]:
         p = c.rope_parameters
         if p["rope_type"] == "default":
-            return 1.0 / (p["rope_theta"] ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim)), 1.0
+            return 1.0 / (
+                p["rope_theta"] ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim)
+            ), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         inv_freq, scale = ROPE_INIT_FUNCTIONS[p["rope_type"]](c.hf_config(), "cpu")
         return inv_freq.float(), float(scale)
 
@@ -199,8 +204,12 @@ class DFlashDrafter(nn.Module):
 
     def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``[token, MASK x (B-1)]`` for each anchor token -> ``[A, B, H]``."""
-        ids = torch.full((anchor_tokens.shape[0], self.block_size), self.mask_token_id,
-                         dtype=torch.long, device=anchor_tokens.device)
+        ids = torch.full(
+            (anchor_tokens.shape[0], self.block_size),
+            self.mask_token_id,
+            dtype=torch.long,
+            device=anchor_tokens.device,
+        )
         ids[:, 0] = anchor_tokens
         return F.embedding(ids, self.embed_weight).to(self.param_dtype)
 
@@ -222,8 +231,14 @@ class DFlashDrafter(nn.Module):
                 cache.v.append(v)
         return cache
 
-    def draft_block(self, context_hidden: torch.Tensor | None, anchor_token, anchor_pos: int | None = None,
-                    fused: bool = False, cache: DraftCache | None = None) -> torch.Tensor:
+    def draft_block(
+        self,
+        context_hidden: torch.Tensor | None,
+        anchor_token,
+        anchor_pos: int | None = None,
+        fused: bool = False,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
         """Logits ``[B-1, V]`` for block offsets 1..B-1 of one anchor.
 
         The context is ``cache`` (positions ``0..cache.length-1``) followed by
@@ -253,8 +268,13 @@ class DFlashDrafter(nn.Module):
             mask = None
             if attn.window or a < S:
                 key_pos = torch.arange(lo, S, device=dev)[None]
-                mask = torch.cat([context_visible(key_pos, a, q_off, attn.window),
-                                  block_visible(torch.arange(B, device=dev)[None], q_off, attn.window)], 1)
+                mask = torch.cat(
+                    [
+                        context_visible(key_pos, a, q_off, attn.window),
+                        block_visible(torch.arange(B, device=dev)[None], q_off, attn.window),
+                    ],
+                    1,
+                )
             q = attn.q(h, cos_b, sin_b).transpose(0, 1)  # [nh, B, hd]
             k = torch.cat([k_c, k_b]).transpose(0, 1)
             v = torch.cat([v_c, v_b]).transpose(0, 1)
@@ -268,8 +288,14 @@ class DFlashDrafter(nn.Module):
         return self.logits(self.norm(x)[1:])
 
     # -- training: many anchors of many packed sequences in one pass ---------------------------
-    def forward_train(self, hidden: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                      anchors: torch.Tensor, attention: str | Callable = "sdpa") -> torch.Tensor:
+    def forward_train(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        anchors: torch.Tensor,
+        attention: str | Callable = "sdpa",
+    ) -> torch.Tensor:
         """Final-normed block states ``[A, B, H]`` for every anchor (LM head not applied).
 
         ``hidden [T, K, H]`` and ``input_ids [T]`` are packed sequences delimited by
@@ -293,6 +319,7 @@ class DFlashDrafter(nn.Module):
             blocks = attention(pk, windows)
         elif attention == "flex":
             from dflash_staged.model.flex_blocks import FlexBlocks
+
             blocks = FlexBlocks(pk, windows)
         elif attention == "sdpa":
             blocks = SdpaBlocks(pk, self.dcfg.num_attention_heads, windows)

@@ -39,8 +39,10 @@ def bucket(n: int) -> int:
 def flex_unavailable(device: torch.device) -> str | None:
     """Why the flex path cannot train on ``device`` (None when it can)."""
     if device.type != "cuda":
-        return (f"flex_attention has no backward pass on {device.type} in torch {torch.__version__}, and "
-                "training needs one")
+        return (
+            f"flex_attention has no backward pass on {device.type} in torch {torch.__version__}, and "
+            "training needs one"
+        )
     try:
         importlib.import_module("torch.nn.attention.flex_attention")
     except ImportError:
@@ -60,22 +62,28 @@ def resolve_attention(choice: str, device: torch.device) -> str:
         return "sdpa"
     why = flex_unavailable(device)
     if why:
-        raise DflashError(f"train.attention={choice!r} on {device}: {why}; set train.attention = \"sdpa\" "
-                          "(the dense-mask path, slower on GPUs) or install a torch build with Triton")
+        raise DflashError(
+            f'train.attention={choice!r} on {device}: {why}; set train.attention = "sdpa" '
+            "(the dense-mask path, slower on GPUs) or install a torch build with Triton"
+        )
     return "flex"
 
 
 def _kernel(q, k, v, block_mask):
     """``flex_attention`` (compiled on CUDA; eager elsewhere: forward only, the scores materialised)."""
     from torch.nn.attention.flex_attention import flex_attention
+
     if q.device.type != "cuda":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if "flex" not in _compiled:
         import torch._dynamo
+
         cfg = torch._dynamo.config
-        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
+        name = (
+            "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        )  # renamed in torch 2.6
         setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
         _compiled["flex"] = torch.compile(flex_attention, dynamic=False)
     return _compiled["flex"](q, k, v, block_mask=block_mask, enable_gqa=True)
@@ -86,6 +94,7 @@ class FlexBlocks:
 
     def __init__(self, pk: Packing, windows: set[int]):
         from torch.nn.attention.flex_attention import create_block_mask
+
         self.pk = pk
         dev = pk.srt.device
         B = pk.B
@@ -94,13 +103,17 @@ class FlexBlocks:
         self.Q = self.A_pad * B
         self.KV = self.T_pad + self.Q
         self.tok_seq = torch.full((self.T_pad,), -1, dtype=torch.long, device=dev)
-        self.tok_seq[:pk.T] = pk.seq_of_tok
+        self.tok_seq[: pk.T] = pk.seq_of_tok
         self.anchor = torch.zeros(self.A_pad, dtype=torch.long, device=dev)
-        self.anchor[:pk.A] = pk.srt
+        self.anchor[: pk.A] = pk.srt
         self.anchor_seq = torch.full((self.A_pad,), -2, dtype=torch.long, device=dev)  # padding: no sequence
-        self.anchor_seq[:pk.A] = pk.a_seq
-        self.masks = {w: create_block_mask(self._mask_mod(w), 1, None, self.Q, self.KV, device=dev,
-                                           _compile=dev.type == "cuda") for w in sorted(windows)}
+        self.anchor_seq[: pk.A] = pk.a_seq
+        self.masks = {
+            w: create_block_mask(
+                self._mask_mod(w), 1, None, self.Q, self.KV, device=dev, _compile=dev.type == "cuda"
+            )
+            for w in sorted(windows)
+        }
 
     def _mask_mod(self, window: int):
         B, T_pad = self.pk.B, self.T_pad
@@ -109,7 +122,11 @@ class FlexBlocks:
         def mask_mod(b, h, q_idx, kv_idx):
             qa, qo = q_idx // B, q_idx % B
             kc = kv_idx.clamp(max=T_pad - 1)
-            ctx = (kv_idx < T_pad) & (tok_seq[kc] == anchor_seq[qa]) & context_visible(kc, anchor[qa], qo, window)
+            ctx = (
+                (kv_idx < T_pad)
+                & (tok_seq[kc] == anchor_seq[qa])
+                & context_visible(kc, anchor[qa], qo, window)
+            )
             kb = kv_idx - T_pad
             blk = (kb >= 0) & (kb // B == qa) & (anchor_seq[qa] >= 0) & block_visible(kb % B, qo, window)
             return ctx | blk
@@ -119,7 +136,9 @@ class FlexBlocks:
     def computed_pairs(self, window: int) -> int:
         """Query-key pairs the kernel computes: every non-empty tile, whole."""
         m = self.masks[window]
-        tiles = int(m.kv_num_blocks.sum()) + (int(m.full_kv_num_blocks.sum()) if m.full_kv_num_blocks is not None else 0)
+        tiles = int(m.kv_num_blocks.sum()) + (
+            int(m.full_kv_num_blocks.sum()) if m.full_kv_num_blocks is not None else 0
+        )
         return tiles * m.BLOCK_SIZE[0] * m.BLOCK_SIZE[1]
 
     def __call__(self, q, k_c, v_c, k_b, v_b, window: int) -> torch.Tensor:
@@ -134,4 +153,4 @@ class FlexBlocks:
         vf = torch.cat([rows(v_c, self.T_pad), rows(v_b.flatten(0, 1), self.Q)], 2)
         qf, kf = qf.to(vf.dtype), kf.to(vf.dtype)
         o = _kernel(qf, kf, vf, self.masks[window])  # [1, nh, Q, hd]
-        return o[0].transpose(0, 1)[:pk.A * pk.B].unflatten(0, (pk.A, pk.B))
+        return o[0].transpose(0, 1)[: pk.A * pk.B].unflatten(0, (pk.A, pk.B))

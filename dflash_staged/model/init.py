@@ -32,8 +32,17 @@ from dflash_staged.model.target_weights import open_target_tensors
 
 _LAYER = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.q_proj\.weight$")
 # model types whose RMSNorm computes (1 + weight) * x
-ZERO_CENTRED_NORMS = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma", "gemma2",
-                      "gemma3", "gemma3_text"}
+ZERO_CENTRED_NORMS = {
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+}
 
 
 def _kv(w: torch.Tensor, src_heads: int, dst_heads: int, head_dim: int) -> torch.Tensor:
@@ -43,30 +52,48 @@ def _kv(w: torch.Tensor, src_heads: int, dst_heads: int, head_dim: int) -> torch
     heads = w.unflatten(0, (src_heads, head_dim))
     if dst_heads % src_heads == 0:
         return heads.repeat_interleave(dst_heads // src_heads, 0).flatten(0, 1)
-    return heads.unflatten(0, (dst_heads, src_heads // dst_heads, )).mean(1).flatten(0, 1)
+    return (
+        heads.unflatten(
+            0,
+            (
+                dst_heads,
+                src_heads // dst_heads,
+            ),
+        )
+        .mean(1)
+        .flatten(0, 1)
+    )
 
 
 def init_from_target(drafter, target_cfg) -> list[str]:
     """Copy the target's top layers into ``drafter`` (in place); returns what was copied, one line each."""
     src = open_target_tensors(target_cfg)
-    found = sorted({(m.group(1), int(m.group(2))) for n in src.names if (m := _LAYER.match(n))}, key=lambda x: x[1])
+    found = sorted(
+        {(m.group(1), int(m.group(2))) for n in src.names if (m := _LAYER.match(n))}, key=lambda x: x[1]
+    )
     c = drafter.dcfg
     n = c.num_hidden_layers
     if len(found) < n:
-        raise DflashError(f"drafter.init = 'target_top': the target has {len(found)} attention layers with q/k/v "
-                          f"projections, the drafter {n}; use fewer drafter.num_hidden_layers or init = 'random'")
+        raise DflashError(
+            f"drafter.init = 'target_top': the target has {len(found)} attention layers with q/k/v "
+            f"projections, the drafter {n}; use fewer drafter.num_hidden_layers or init = 'random'"
+        )
     prefix = found[0][0]
     tcfg = src.config.get("text_config") or src.config
     t_heads = int(tcfg.get("num_attention_heads", c.num_attention_heads))
     t_kv = int(tcfg.get("num_key_value_heads") or t_heads)
     t_hd = int(tcfg.get("head_dim") or c.hidden_size // t_heads)
     if (t_heads, t_hd) != (c.num_attention_heads, c.head_dim):
-        raise DflashError(f"drafter.init = 'target_top': the target's attention has {t_heads} heads of size {t_hd}, "
-                          f"the drafter {c.num_attention_heads} of size {c.head_dim}; set drafter.num_attention_heads "
-                          f"= {t_heads} and drafter.head_dim = {t_hd}, or init = 'random'")
+        raise DflashError(
+            f"drafter.init = 'target_top': the target's attention has {t_heads} heads of size {t_hd}, "
+            f"the drafter {c.num_attention_heads} of size {c.head_dim}; set drafter.num_attention_heads "
+            f"= {t_heads} and drafter.head_dim = {t_hd}, or init = 'random'"
+        )
     if t_kv % c.num_key_value_heads and c.num_key_value_heads % t_kv:
-        raise DflashError(f"drafter.init = 'target_top': {c.num_key_value_heads} drafter KV heads cannot be made from "
-                          f"the target's {t_kv}; use a multiple or a divisor of {t_kv}")
+        raise DflashError(
+            f"drafter.init = 'target_top': {c.num_key_value_heads} drafter KV heads cannot be made from "
+            f"the target's {t_kv}; use a multiple or a divisor of {t_kv}"
+        )
     params = dict(drafter.named_parameters())
     copied: list[str] = []
 
@@ -75,10 +102,15 @@ def init_from_target(drafter, target_cfg) -> list[str]:
             return False
         w = fn(src.get(name).float())
         if tuple(w.shape) != tuple(params[dst].shape):
-            fix = ("set drafter.intermediate_size to the target's (0 does that with target_top)" if ".mlp." in dst
-                   else "this target's layers do not fit the drafter's")
-            raise DflashError(f"drafter.init = 'target_top': {name} has shape {tuple(w.shape)}, the drafter's "
-                              f"{dst} {tuple(params[dst].shape)}: {fix}; or use init = 'random'")
+            fix = (
+                "set drafter.intermediate_size to the target's (0 does that with target_top)"
+                if ".mlp." in dst
+                else "this target's layers do not fit the drafter's"
+            )
+            raise DflashError(
+                f"drafter.init = 'target_top': {name} has shape {tuple(w.shape)}, the drafter's "
+                f"{dst} {tuple(params[dst].shape)}: {fix}; or use init = 'random'"
+            )
         with torch.no_grad():
             params[dst].copy_(w)
         copied.append(f"{dst} <- {name}")
@@ -102,15 +134,16 @@ def init_from_target(drafter, target_cfg) -> list[str]:
         for p in ("q_norm", "k_norm"):
             put(f"layers.{i}.self_attn.{p}.weight", f"{t}self_attn.{p}.weight", norm)
         for p in ("gate_proj", "up_proj", "down_proj"):
-            put(f"layers.{i}.mlp.{p}.weight", f"{t}mlp.{p}.weight") or \
-                put(f"layers.{i}.mlp.{p}.weight", f"{t}mlp.shared_expert.{p}.weight")
+            put(f"layers.{i}.mlp.{p}.weight", f"{t}mlp.{p}.weight") or put(
+                f"layers.{i}.mlp.{p}.weight", f"{t}mlp.shared_expert.{p}.weight"
+            )
         for p in ("input_layernorm", "post_attention_layernorm"):
             put(f"layers.{i}.{p}.weight", f"{t}{p}.weight", norm)
     put("norm.weight", f"{prefix}norm.weight", norm)
     K, H = len(c.target_layer_ids), c.hidden_size
     deepest = c.target_layer_ids.index(max(c.target_layer_ids))
     fc = torch.zeros(H, K * H)
-    fc[:, deepest * H:(deepest + 1) * H] = torch.eye(H)
+    fc[:, deepest * H : (deepest + 1) * H] = torch.eye(H)
     with torch.no_grad():
         params["fc.weight"].copy_(fc)
     copied.append(f"fc.weight <- identity on tap {deepest} (target layer {max(c.target_layer_ids)})")

@@ -12,7 +12,8 @@ Contract (:func:`dflash_staged.model.target.load_target` with ``tp=N`` relies on
   work unchanged: every rank raises at the same layer, after the same collectives, and no rank
   is left waiting in one. Every rank must call ``capture`` with the same batch.
 * :func:`check_tp` is the preflight: ``accelerate`` is installed (transformers needs it to
-  place the slices), a TP plan exists and the attention and KV heads divide by N (a plan that splits KV heads unevenly loads fine and then fails in the first forward);
+  place the slices), a TP plan exists and the attention and KV heads divide by N (a plan that
+  splits KV heads unevenly loads fine and then fails in the first forward);
   :func:`check_sharded` refuses a model whose plan shards none of its decoder layers (every rank
   would hold the whole model, so TP buys no memory).
 
@@ -45,7 +46,9 @@ from dflash_staged.model.dims import text_config
 
 def _heads(model_config) -> dict[str, int]:
     text = text_config(model_config)
-    return {k: int(v) for k in ("num_attention_heads", "num_key_value_heads") if (v := getattr(text, k, None))}
+    return {
+        k: int(v) for k in ("num_attention_heads", "num_key_value_heads") if (v := getattr(text, k, None))
+    }
 
 
 def good_tp_sizes(model_config) -> list[int]:
@@ -60,21 +63,27 @@ def check_tp(model_config, tp: int, what: str = "the target") -> None:
     if tp <= 1:
         return
     if importlib.util.find_spec("accelerate") is None:
-        raise DflashError(f"--tp {tp}: transformers' tensor-parallel loading needs the accelerate package; "
-                          "pip install accelerate")
+        raise DflashError(
+            f"--tp {tp}: transformers' tensor-parallel loading needs the accelerate package; "
+            "pip install accelerate"
+        )
     text = text_config(model_config)
     kind = getattr(text, "model_type", type(text).__name__)
     if not (getattr(text, "base_model_tp_plan", None) or getattr(model_config, "base_model_tp_plan", None)):
-        raise DflashError(f"--tp {tp}: transformers has no tensor-parallel plan for {what} ({kind}); run it with "
-                          "--tp 1 (one device per worker) or pick a target whose architecture has one")
+        raise DflashError(
+            f"--tp {tp}: transformers has no tensor-parallel plan for {what} ({kind}); run it with "
+            "--tp 1 (one device per worker) or pick a target whose architecture has one"
+        )
     heads = _heads(model_config)
     bad = {k: n for k, n in heads.items() if n % tp}
     if bad:
         names = {"num_attention_heads": "attention heads", "num_key_value_heads": "KV heads"}
         have = " and ".join(f"{n} {names[k]}" for k, n in heads.items())
-        raise DflashError(f"--tp {tp}: {what} ({kind}) has {have}, which do not divide by {tp}; every rank needs "
-                          f"a whole number of heads. Use --tp {' or '.join(map(str, good_tp_sizes(model_config)))} "
-                          "(more extract workers of fewer devices each)")
+        raise DflashError(
+            f"--tp {tp}: {what} ({kind}) has {have}, which do not divide by {tp}; every rank needs "
+            f"a whole number of heads. Use --tp {' or '.join(map(str, good_tp_sizes(model_config)))} "
+            "(more extract workers of fewer devices each)"
+        )
 
 
 def tp_kwargs(tp: int) -> dict:
@@ -91,15 +100,25 @@ def shard_built_model(model, tp: int, dtype, attn_implementation: str):
 
     Every rank builds the same weights (fixed seed), so no rank needs to read another's."""
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # a "Loading weights" bar per rank for a model that is already in memory
-    return type(model).from_pretrained(None, config=model.config, state_dict=model.state_dict(), dtype=dtype,
-                                       attn_implementation=attn_implementation, **tp_kwargs(tp))
+
+    hf_logging.disable_progress_bar()  # else a "Loading weights" bar per rank, for a model already in memory
+    return type(model).from_pretrained(
+        None,
+        config=model.config,
+        state_dict=model.state_dict(),
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        **tp_kwargs(tp),
+    )
 
 
 def check_sharded(model, layers, tp: int, what: str = "the target") -> None:
     """Refuse a TP-loaded model none of whose decoder-layer weights are split across the ranks."""
     from torch.distributed.tensor import DTensor
+
     if not any(isinstance(p, DTensor) for p in layers.parameters()):
-        raise DflashError(f"--tp {tp}: transformers' tensor-parallel plan for {what} "
-                          f"({getattr(model.config, 'model_type', '?')}) splits none of its decoder layers, so "
-                          "every rank would hold the whole model; run it with --tp 1")
+        raise DflashError(
+            f"--tp {tp}: transformers' tensor-parallel plan for {what} "
+            f"({getattr(model.config, 'model_type', '?')}) splits none of its decoder layers, so "
+            "every rank would hold the whole model; run it with --tp 1"
+        )

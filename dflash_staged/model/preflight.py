@@ -25,10 +25,19 @@ log = logging.getLogger(__name__)
 HYBRID_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
 # (import name, pip distribution, attributes the model needs)
 _KERNELS = (
-    ("fla", "flash-linear-attention",
-     ("fla.ops.gated_delta_rule.chunk_gated_delta_rule", "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule")),
-    ("causal_conv1d", "causal-conv1d",
-     ("causal_conv1d.causal_conv1d_fn", "causal_conv1d.causal_conv1d_update")),
+    (
+        "fla",
+        "flash-linear-attention",
+        (
+            "fla.ops.gated_delta_rule.chunk_gated_delta_rule",
+            "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
+        ),
+    ),
+    (
+        "causal_conv1d",
+        "causal-conv1d",
+        ("causal_conv1d.causal_conv1d_fn", "causal_conv1d.causal_conv1d_update"),
+    ),
 )
 _cpu_logged = False
 
@@ -67,8 +76,9 @@ def _smoke(package: str, fns: dict, device: torch.device) -> None:
         q, k, v = (torch.randn(1, 64, 2, 64, device=device, dtype=dt) for _ in range(3))
         g = -torch.rand(1, 64, 2, device=device, dtype=torch.float32)
         beta = torch.rand(1, 64, 2, device=device, dtype=dt)
-        fns["chunk_gated_delta_rule"](q, k, v, g=g, beta=beta, initial_state=None,
-                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        fns["chunk_gated_delta_rule"](
+            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
     torch.cuda.synchronize(device)
 
 
@@ -101,8 +111,11 @@ def preflight_kernels(model_config, device, allow_slow: bool = False) -> None:
     device = torch.device(device)
     if device.type != "cuda":
         if not _cpu_logged:
-            log.warning("hybrid target on %s: using transformers' PyTorch reference fallbacks for the "
-                        "linear-attention layers (correct, slow; the fast kernels need CUDA)", device.type)
+            log.warning(
+                "hybrid target on %s: using transformers' PyTorch reference fallbacks for the "
+                "linear-attention layers (correct, slow; the fast kernels need CUDA)",
+                device.type,
+            )
             _cpu_logged = True
         return
     problems = _kernel_problems(device)
@@ -110,10 +123,16 @@ def preflight_kernels(model_config, device, allow_slow: bool = False) -> None:
         return
     what = "; ".join(problems)
     if allow_slow:
-        log.warning("hybrid target on %s without fast kernels: %s. Running on the slow PyTorch reference "
-                    "path because slow kernels are allowed.", device, what)
+        log.warning(
+            "hybrid target on %s without fast kernels: %s. Running on the slow PyTorch reference "
+            "path because slow kernels are allowed.",
+            device,
+            what,
+        )
         return
     raise KernelPreflightError(
-        f"hybrid (linear-attention) target on {device} needs fast kernels, but these are missing or unusable: "
-        f"{what}. Install them with: pip install 'dflash-staged[cuda]' — or pass --allow-slow-kernels "
-        f"(target.allow_slow_kernels = true) to run on the much slower PyTorch reference path")
+        f"hybrid (linear-attention) target on {device} needs fast kernels, but these are missing or "
+        f"unusable: {what}. Install them with: pip install 'dflash-staged[cuda]' — or pass "
+        f"--allow-slow-kernels (target.allow_slow_kernels = true) to run on the much slower PyTorch "
+        "reference path"
+    )

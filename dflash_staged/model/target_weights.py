@@ -22,11 +22,20 @@ from dflash_staged.errors import DflashError
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-               "language_model.model.embed_tokens.weight", "model.text_model.embed_tokens.weight",
-               "embed_tokens.weight", "transformer.wte.weight")
-HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight",
-              "model.lm_head.weight")
+EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "model.text_model.embed_tokens.weight",
+    "embed_tokens.weight",
+    "transformer.wte.weight",
+)
+HEAD_NAMES = (
+    "lm_head.weight",
+    "language_model.lm_head.weight",
+    "model.language_model.lm_head.weight",
+    "model.lm_head.weight",
+)
 
 
 class TargetTensors:
@@ -49,13 +58,16 @@ class TargetTensors:
 def _safetensors_files(files: dict[str, Path]):
     def load(name: str) -> torch.Tensor:
         from safetensors import safe_open
+
         with safe_open(str(files[name]), framework="pt") as f:
             return f.get_tensor(name)
+
     return load
 
 
 def _from_dir(dir: Path) -> TargetTensors:
     from safetensors import safe_open
+
     config = json.loads((dir / CONFIG_NAME).read_text()) if (dir / CONFIG_NAME).exists() else {}
     index = dir / INDEX_NAME
     if index.exists():
@@ -66,8 +78,10 @@ def _from_dir(dir: Path) -> TargetTensors:
             with safe_open(str(f), framework="pt") as h:
                 files.update({k: f for k in h.keys()})
         if not files:
-            raise DflashError(f"{dir}: no safetensors weights; the target must be stored as safetensors "
-                              "(or set target.gguf_file)")
+            raise DflashError(
+                f"{dir}: no safetensors weights; the target must be stored as safetensors "
+                "(or set target.gguf_file)"
+            )
     return TargetTensors(str(dir), config, list(files), _safetensors_files(files))
 
 
@@ -87,16 +101,21 @@ def _from_hub(repo: str) -> TargetTensors:
     except DflashError:
         raise
     except Exception as e:
-        raise DflashError(f"target.model={repo!r}: cannot fetch its weight index ({e}); check the hub id, the "
-                          "network, or unset HF_HUB_OFFLINE to allow downloads") from None
+        raise DflashError(
+            f"target.model={repo!r}: cannot fetch its weight index ({e}); check the hub id, the "
+            "network, or unset HF_HUB_OFFLINE to allow downloads"
+        ) from None
 
     def load(name: str) -> torch.Tensor:
         try:
             path = get(weight_map[name])
         except Exception as e:
-            raise DflashError(f"target.model={repo!r}: cannot fetch {weight_map[name]} ({e}); check the network, "
-                              "or unset HF_HUB_OFFLINE to allow downloads") from None
+            raise DflashError(
+                f"target.model={repo!r}: cannot fetch {weight_map[name]} ({e}); check the network, "
+                "or unset HF_HUB_OFFLINE to allow downloads"
+            ) from None
         return _safetensors_files({name: path})(name)
+
     return TargetTensors(repo, config, list(weight_map), load)
 
 
@@ -114,7 +133,9 @@ def _from_gguf(path: Path) -> TargetTensors:
         t = tensors[{v: k for k, v in hf_names.items()}[name]]
         arr = dequantize(t.data, t.tensor_type)
         return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(
-            [int(n) for n in reversed(t.shape)])
+            [int(n) for n in reversed(t.shape)]
+        )
+
     names = [hf for g, hf in hf_names.items() if g in tensors]
     return TargetTensors(str(path), {"tie_word_embeddings": "output.weight" not in tensors}, names, load)
 
@@ -124,6 +145,7 @@ def open_target_tensors(target_cfg) -> TargetTensors:
     model = target_cfg.model
     if model.startswith("tiny:"):
         from dflash_staged.model.tiny import build_tiny_model, tiny_config
+
         kind = model.split(":", 1)[1]
         state = {k: v.detach() for k, v in build_tiny_model(kind, seed=target_cfg.seed).state_dict().items()}
         return TargetTensors(model, tiny_config(kind).to_dict(), list(state), state.__getitem__)
@@ -135,8 +157,10 @@ def open_target_tensors(target_cfg) -> TargetTensors:
     if Path(model).is_dir():
         return _from_dir(Path(model))
     if Path(model).exists() or model.startswith((".", "/", "~")):
-        raise DflashError(f"target.model={model!r} is not a model directory; give a directory with config.json "
-                          "and safetensors weights, a hub id, or 'tiny:qwen3'")
+        raise DflashError(
+            f"target.model={model!r} is not a model directory; give a directory with config.json "
+            "and safetensors weights, a hub id, or 'tiny:qwen3'"
+        )
     return _from_hub(model)
 
 
@@ -145,20 +169,25 @@ def _pick(names: list[str], candidates: tuple[str, ...]) -> str | None:
     return next((c for c in candidates if c in have), None)
 
 
-def load_embed_and_head(target_cfg, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def load_embed_and_head(
+    target_cfg, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's input embedding and LM head ``[V, H]`` without building the target."""
     src = open_target_tensors(target_cfg)
     embed_name = _pick(src.names, EMBED_NAMES)
     if embed_name is None:
-        raise DflashError(f"{src.where}: no embedding tensor (looked for {', '.join(EMBED_NAMES[:3])}, ...); "
-                          "is this a causal LM checkpoint?")
+        raise DflashError(
+            f"{src.where}: no embedding tensor (looked for {', '.join(EMBED_NAMES[:3])}, ...); "
+            "is this a causal LM checkpoint?"
+        )
     head_name = (None if src.tied else _pick(src.names, HEAD_NAMES)) or embed_name
     embed = src.get(embed_name)
     head = embed if head_name == embed_name else src.get(head_name)
     if embed.shape[1] != head.shape[1]:
-        raise DflashError(f"target.model={target_cfg.model!r}: embedding {tuple(embed.shape)} and LM head "
-                          f"{tuple(head.shape)} disagree on the hidden size")
+        raise DflashError(
+            f"target.model={target_cfg.model!r}: embedding {tuple(embed.shape)} and LM head "
+            f"{tuple(head.shape)} disagree on the hidden size"
+        )
     same = head is embed
     embed = embed.to(device=device, dtype=dtype or embed.dtype)
     return embed, embed if same else head.to(device=device, dtype=dtype or head.dtype)

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.dtypes import torch_dtype
 from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import atomic_dir
+from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -48,9 +48,12 @@ def write_drafter_files(drafter: DFlashDrafter, dir: Path, dtype: str | None = N
     """``config.json`` + ``model.safetensors`` into the existing directory ``dir``; weights in ``dtype``
     (default: the config's ``dtype``), which is also what ``config.json`` declares."""
     from safetensors.torch import save_file
+
     name = dtype or drafter.dcfg.dtype
     torch_dt = torch_dtype(name, "checkpoint dtype")
-    (Path(dir) / CONFIG_NAME).write_text(DraftModelConfig(**{**drafter.dcfg.__dict__, "dtype": name}).to_json())
+    (Path(dir) / CONFIG_NAME).write_text(
+        DraftModelConfig(**{**drafter.dcfg.__dict__, "dtype": name}).to_json()
+    )
     save_file(drafter_state_dict(drafter, torch_dt), str(Path(dir) / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
@@ -67,8 +70,9 @@ def read_drafter_config(dir: str | Path) -> DraftModelConfig:
     try:
         text = path.read_text()
     except OSError as e:
-        raise DflashError(f"{path}: cannot read the drafter config ({e.strerror}); is {dir} a drafter "
-                          "checkpoint directory?") from None
+        raise DflashError(
+            f"{path}: cannot read the drafter config ({e.strerror}); is {dir} a drafter checkpoint directory?"
+        ) from None
     return DraftModelConfig.from_json(text, str(path))
 
 
@@ -85,8 +89,13 @@ def _weight_files(dir: Path) -> list[Path]:
     return found
 
 
-def load_drafter(dir: str | Path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32) -> DFlashDrafter:
+def load_drafter(
+    dir: str | Path,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+) -> DFlashDrafter:
     """Rebuild a drafter from a reference-format checkpoint (ours or a released one).
 
     Parameters are loaded in ``dtype`` (default fp32, for training and CPU use;
@@ -107,8 +116,10 @@ def load_drafter(dir: str | Path, embed_weight: torch.Tensor, lm_head_weight: to
     expected = set(drafter.state_dict())
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or extra:
-        raise DflashError(f"{dir}: weights do not match config.json: missing {missing[:5]}, unexpected "
-                          f"{extra[:5]}; the checkpoint is not a DFlash drafter of this shape")
+        raise DflashError(
+            f"{dir}: weights do not match config.json: missing {missing[:5]}, unexpected "
+            f"{extra[:5]}; the checkpoint is not a DFlash drafter of this shape"
+        )
     for k, v in state.items():
         want = tuple(drafter.state_dict()[k].shape)
         if tuple(v.shape) != want:
@@ -131,26 +142,37 @@ def validate_mask_token(mask_token_id: int, tokenizer, vocab_size: int) -> int:
     n = len(tokenizer)
     mid = n if mask_token_id == -1 else mask_token_id
     if mask_token_id == -1 and n >= vocab_size:
-        raise DflashError(f"drafter.mask_token_id=-1 means len(tokenizer)={n}, but the target vocabulary has only "
-                          f"{vocab_size} rows: set drafter.mask_token_id to a special token id the data never "
-                          "contains")
+        raise DflashError(
+            f"drafter.mask_token_id=-1 means len(tokenizer)={n}, but the target vocabulary has only "
+            f"{vocab_size} rows: set drafter.mask_token_id to a special token id the data never "
+            "contains"
+        )
     if not 0 <= mid < vocab_size:
-        raise DflashError(f"drafter.mask_token_id={mid} is outside the target vocabulary 0..{vocab_size - 1}; use "
-                          f"an unused row (len(tokenizer)={n} <= id < {vocab_size}) or a special token id")
+        raise DflashError(
+            f"drafter.mask_token_id={mid} is outside the target vocabulary 0..{vocab_size - 1}; use "
+            f"an unused row (len(tokenizer)={n} <= id < {vocab_size}) or a special token id"
+        )
     if mid >= n:
         return mid
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()
-                if getattr(t, "special", False)}
+    special |= {
+        i
+        for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()
+        if getattr(t, "special", False)
+    }
     if mid not in special:
-        raise DflashError(f"drafter.mask_token_id={mid} is an ordinary token ({tokenizer.convert_ids_to_tokens(mid)!r})"
-                          f"; use an unused row (len(tokenizer)={n} <= id < {vocab_size}) or a special token the "
-                          "data never contains")
+        raise DflashError(
+            f"drafter.mask_token_id={mid} is an ordinary token ({tokenizer.convert_ids_to_tokens(mid)!r})"
+            f"; use an unused row (len(tokenizer)={n} <= id < {vocab_size}) or a special token the "
+            "data never contains"
+        )
     return mid
 
 
 def check_mask_absent(input_ids: torch.Tensor, mask_token_id: int, where: str = "data") -> None:
     """Raise if the tokenized data contains the mask token (it would be trained on as a label)."""
     if bool((torch.as_tensor(input_ids) == mask_token_id).any()):
-        raise DflashError(f"{where}: contains the mask token id {mask_token_id}; pick another "
-                          "drafter.mask_token_id (a special token the data never uses) or clean the data")
+        raise DflashError(
+            f"{where}: contains the mask token id {mask_token_id}; pick another "
+            "drafter.mask_token_id (a special token the data never uses) or clean the data"
+        )

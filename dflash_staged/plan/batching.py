@@ -21,8 +21,8 @@ Contract (what :mod:`dflash_staged.manifest` stores and extract/train rely on):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -106,8 +106,9 @@ def bucket_edges(lengths: np.ndarray, data_cfg: DataConfig) -> list[int]:
     return edges
 
 
-def make_batches(lengths: np.ndarray, edges: list[int], token_budget: int
-                 ) -> tuple[list[tuple[int, list[int]]], np.ndarray, np.ndarray]:
+def make_batches(
+    lengths: np.ndarray, edges: list[int], token_budget: int
+) -> tuple[list[tuple[int, list[int]]], np.ndarray, np.ndarray]:
     """Length-sorted greedy batches per bucket; returns (batches, real per batch, padded per batch).
 
     Each batch is ``(bucket, sample ids longest first)`` with ``len(ids) * longest <= token_budget``.
@@ -120,8 +121,10 @@ def make_batches(lengths: np.ndarray, edges: list[int], token_budget: int
         raise PlanError("a sample has length 0; every sample needs at least one token")
     longest = int(lengths.max())
     if longest > token_budget:
-        raise PlanError(f"a sample of {longest} tokens exceeds data.token_budget={token_budget}; "
-                        "raise the budget or lower data.max_len")
+        raise PlanError(
+            f"a sample of {longest} tokens exceeds data.token_budget={token_budget}; "
+            "raise the budget or lower data.max_len"
+        )
     if longest > edges[-1]:
         raise PlanError(f"a sample of {longest} tokens is longer than the last bucket edge {edges[-1]}")
     bucket = np.searchsorted(np.asarray(edges), lengths, side="left")

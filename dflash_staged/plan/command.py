@@ -7,18 +7,26 @@ from pathlib import Path
 from dflash_staged.plan.batching import Plan, make_plan
 
 
-def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: str | Path | None = None, *,
-                  epochs: int = 1, seed: int = 0, skip_bad: bool = False, progress: bool = False) -> str:
+def plan_manifest(
+    config_path: str | Path,
+    data_path: str | Path,
+    manifest_dir: str | Path | None = None,
+    *,
+    epochs: int = 1,
+    seed: int = 0,
+    skip_bad: bool = False,
+    progress: bool = False,
+) -> str:
     """Ingest, plan and create the manifest (a no-op if it exists with the same inputs); return a summary.
 
     Everything is computed in memory first, so a failing ingestion writes nothing.
     """
-    from dflash_staged.config import ConfigError, load_config
-    from dflash_staged.model.dims import target_dims
     from dflash_staged.chat import ChatOptions
-    from dflash_staged.plan.dataset import load_dataset
+    from dflash_staged.config import ConfigError, load_config
     from dflash_staged.manifest import Manifest
+    from dflash_staged.model.dims import target_dims
     from dflash_staged.model.target import resolve_layer_ids
+    from dflash_staged.plan.dataset import load_dataset
 
     cfg = load_config(config_path)
     # An address, not necessarily a path: Path() would fold postgresql:// into a directory "postgresql:".
@@ -28,24 +36,40 @@ def plan_manifest(config_path: str | Path, data_path: str | Path, manifest_dir: 
     layer_ids = resolve_layer_ids(cfg.target, dims.num_layers, cfg.drafter.num_hidden_layers)
     vocab, mask_id = dims.vocab_size, cfg.drafter.mask_token_id
     if mask_id != -1 and not 0 <= mask_id < vocab:
-        raise ConfigError(f"{config_path}: drafter.mask_token_id={mask_id} is outside the target vocabulary "
-                          f"0..{vocab - 1}; use -1 (= len(tokenizer)) or an unused or special id below {vocab}")
+        raise ConfigError(
+            f"{config_path}: drafter.mask_token_id={mask_id} is outside the target vocabulary "
+            f"0..{vocab - 1}; use -1 (= len(tokenizer)) or an unused or special id below {vocab}"
+        )
     chat = ChatOptions.from_config(cfg.data)
     samples, data_hash = load_dataset(data_path, cfg, skip_bad=skip_bad, progress=progress, chat=chat)
     plan = make_plan(samples.lengths(), cfg, epochs, seed)
     # meta "chat": how conversations were rendered; the trainer copies it into checkpoints for eval
-    with Manifest.create(manifest_dir, config=cfg, samples=samples, plan=plan,
-                         data_path=str(Path(data_path).resolve()), data_hash=data_hash, layer_ids=layer_ids,
-                         extra_meta={"chat": chat.record()}) as m:
+    with Manifest.create(
+        manifest_dir,
+        config=cfg,
+        samples=samples,
+        plan=plan,
+        data_path=str(Path(data_path).resolve()),
+        data_hash=data_hash,
+        layer_ids=layer_ids,
+        extra_meta={"chat": chat.record()},
+    ) as m:
         where = m.address
-    head = (f"{where} already holds this plan (same config, data, epochs and seed); nothing to do"
-            if existed else f"planned {where}")
-    return head + "\n" + format_plan_summary(samples, plan, str(data_path), cfg.data.max_len,
-                                              cfg.min_loss_tokens, layer_ids)
+    head = (
+        f"{where} already holds this plan (same config, data, epochs and seed); nothing to do"
+        if existed
+        else f"planned {where}"
+    )
+    return (
+        head
+        + "\n"
+        + format_plan_summary(samples, plan, str(data_path), cfg.data.max_len, cfg.min_loss_tokens, layer_ids)
+    )
 
 
-def format_plan_summary(samples, plan: Plan, data_path: str, max_len: int, min_loss: int,
-                        layer_ids: list[int] | None = None) -> str:
+def format_plan_summary(
+    samples, plan: Plan, data_path: str, max_len: int, min_loss: int, layer_ids: list[int] | None = None
+) -> str:
     st = samples.stats
     lines = [f"  samples: {st['samples']:,} from {data_path} ({st['lines']:,} records)"]
     if st.get("format"):
@@ -55,20 +79,27 @@ def format_plan_summary(samples, plan: Plan, data_path: str, max_len: int, min_l
         skipped.append(f"{st['skipped_long']:,} longer than max_len {max_len}")
     if st.get("skipped_short_loss"):
         skipped.append(f"{st['skipped_short_loss']:,} with < {min_loss} loss tokens")
-    lines.append(f"  skipped: {', '.join(skipped) or 'none'}"
-                 + (f"; truncated to {max_len}: {st['truncated']:,}" if st.get("truncated") else ""))
+    lines.append(
+        f"  skipped: {', '.join(skipped) or 'none'}"
+        + (f"; truncated to {max_len}: {st['truncated']:,}" if st.get("truncated") else "")
+    )
     for ex in getattr(samples, "bad_examples", [])[:3]:
         lines.append(f"    e.g. {ex}")
     if st.get("off_prompt"):
         from dflash_staged.chat import off_prompt_warning
+
         lines.append("  " + off_prompt_warning(st["off_prompt"]))
     lows = [1] + [e + 1 for e in plan.edges[:-1]]
     buckets = [f"{a}-{b}: {n}" for a, b, n in zip(lows, plan.edges, plan.bucket_counts())]
     lines.append(f"  buckets (length range: jobs per epoch): {', '.join(buckets)}")
-    lines.append(f"  jobs: {len(plan.batches):,} per epoch x {plan.epochs} epoch(s) = {plan.num_jobs:,}; "
-                 f"seed {plan.seed}")
-    lines.append(f"  tokens per epoch: {plan.tokens_real:,} real, {plan.tokens_padded:,} padded; "
-                 f"padding waste {plan.padding_waste:.2%}")
+    lines.append(
+        f"  jobs: {len(plan.batches):,} per epoch x {plan.epochs} epoch(s) = {plan.num_jobs:,}; "
+        f"seed {plan.seed}"
+    )
+    lines.append(
+        f"  tokens per epoch: {plan.tokens_real:,} real, {plan.tokens_padded:,} padded; "
+        f"padding waste {plan.padding_waste:.2%}"
+    )
     if layer_ids is not None:
         lines.append(f"  tapped target layers: {layer_ids}")
     return "\n".join(lines)

@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from dflash_staged.config import Config, TargetConfig
-from dflash_staged.plan import formats
 from dflash_staged.chat import ChatOptions, assistant_spans, tokenize_messages  # noqa: F401 - re-exported
+from dflash_staged.config import Config, TargetConfig
 from dflash_staged.errors import BadRecord, DatasetError
+from dflash_staged.plan import formats
 from dflash_staged.plan.formats import data_hash  # noqa: F401 - re-exported: the manifest's data identity
 from dflash_staged.plan.records import KINDS, RecordParser
 
@@ -45,7 +45,9 @@ class Samples:
     tokens: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T], 1 = loss on this position
     offsets: np.ndarray  # int64 [N+1]
-    lines: np.ndarray  # int64 [N], 1-based source line (JSONL) or row of each sample, numbered on across files
+    lines: (
+        np.ndarray
+    )  # int64 [N], 1-based source line (JSONL) or row of each sample, numbered on across files
     # lines (records read), samples, bad, truncated, skipped_long, skipped_short_loss; format (what was read);
     # off_prompt (if any): conversations whose last assistant turn does not continue the generation prompt
     stats: dict = field(default_factory=dict)
@@ -64,6 +66,7 @@ class Samples:
 
 def _load_tokenizer(tcfg: TargetConfig):
     from dflash_staged.model.target import load_tokenizer  # the target module owns tokenizer loading
+
     return load_tokenizer(tcfg)
 
 
@@ -89,7 +92,7 @@ class _Chunks:
         out = np.empty(end, self.dtype)
         while self.done:
             part = self.done.pop()
-            out[end - len(part):end] = part
+            out[end - len(part) : end] = part
             end -= len(part)
         return out
 
@@ -99,8 +102,15 @@ def _format_name(srcs: list[formats.Source], kinds: Counter) -> str:
     return formats.describe(srcs) + (f", {recs}" if recs else "")
 
 
-def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False, tokenizer=None, progress: bool = False,
-                 chat: ChatOptions | None = None) -> tuple[Samples, str]:
+def load_dataset(
+    path: str | Path,
+    cfg: Config,
+    *,
+    skip_bad: bool = False,
+    tokenizer=None,
+    progress: bool = False,
+    chat: ChatOptions | None = None,
+) -> tuple[Samples, str]:
     """Read and tokenise the data at `path`. Returns (samples, :func:`data_hash` of the input).
 
     Raises DatasetError (naming file, line or row, and field) on the first bad record unless
@@ -111,7 +121,9 @@ def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False, token
     chat = chat if chat is not None else ChatOptions.from_config(cfg.data)
     srcs = formats.sources(path)
     digest = data_hash(path, chat.template)
-    parse = RecordParser(cfg, lambda: tokenizer if tokenizer is not None else _load_tokenizer(cfg.target), chat)
+    parse = RecordParser(
+        cfg, lambda: tokenizer if tokenizer is not None else _load_tokenizer(cfg.target), chat
+    )
     max_len, skip_long = cfg.data.max_len, cfg.data.overlength == "skip"
     min_loss = cfg.min_loss_tokens
     stats = dict(lines=0, samples=0, bad=0, truncated=0, skipped_long=0, skipped_short_loss=0)
@@ -119,7 +131,9 @@ def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False, token
     kinds: Counter = Counter()
     ids_acc, mask_acc = _Chunks(np.int32), _Chunks(np.uint8)
     lens, lines = array("q"), array("q")
-    bar = tqdm(unit="record", desc="tokenise", disable=None if progress else True, mininterval=1.0, file=sys.stderr)
+    bar = tqdm(
+        unit="record", desc="tokenise", disable=None if progress else True, mininterval=1.0, file=sys.stderr
+    )
     base = 0  # records are numbered on across the files of a directory
     for src in srcs:
         last = 0
@@ -158,16 +172,25 @@ def load_dataset(path: str | Path, cfg: Config, *, skip_bad: bool = False, token
     if parse.off_prompt:
         stats["off_prompt"] = parse.off_prompt
     if not stats["lines"]:
-        raise DatasetError(f"{path}: the data file is empty (no lines or rows); give one JSON object per line, "
-                           "or a parquet file or saved dataset with rows")
+        raise DatasetError(
+            f"{path}: the data file is empty (no lines or rows); give one JSON object per line, "
+            "or a parquet file or saved dataset with rows"
+        )
     if not lens:
         raise DatasetError(
             f"{path}: no usable samples in {stats['lines']} records ({stats['bad']} bad, "
             f"{stats['skipped_long']} longer than data.max_len={max_len}, {stats['skipped_short_loss']} with "
             f"fewer than {min_loss} loss tokens); check the data, data.max_len, data.overlength and "
-            "data.min_loss_tokens")
+            "data.min_loss_tokens"
+        )
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(np.frombuffer(lens, dtype=np.int64), out=offsets[1:])
-    samples = Samples(tokens=ids_acc.array(), loss_mask=mask_acc.array(), offsets=offsets,
-                      lines=np.frombuffer(lines, dtype=np.int64).copy(), stats=stats, bad_examples=bad_examples)
+    samples = Samples(
+        tokens=ids_acc.array(),
+        loss_mask=mask_acc.array(),
+        offsets=offsets,
+        lines=np.frombuffer(lines, dtype=np.int64).copy(),
+        stats=stats,
+        bad_examples=bad_examples,
+    )
     return samples, digest

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from dflash_staged.errors import DatasetError
 
@@ -67,9 +67,14 @@ def _cannot_read(path: Path, e: OSError) -> DatasetError:
 
 
 def _tree(root: Path) -> list[Path]:
-    return sorted((p for p in root.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts)),
-                  key=lambda p: p.relative_to(root).as_posix())
+    return sorted(
+        (
+            p
+            for p in root.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        ),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
 
 
 def _is_parquet(path: Path) -> bool:
@@ -88,8 +93,10 @@ def sources(path: str | Path) -> list[Source]:
             return [Source(path, "dataset")]
         files = sorted(p for p in path.iterdir() if p.suffix in _SUFFIXES and p.is_file())
         if not files:
-            raise DatasetError(f"{path}: a directory with no *.jsonl, *.json or *.parquet files, and not one "
-                               "written by datasets.save_to_disk; give a data file or such a directory")
+            raise DatasetError(
+                f"{path}: a directory with no *.jsonl, *.json or *.parquet files, and not one "
+                "written by datasets.save_to_disk; give a data file or such a directory"
+            )
         return [Source(p, "parquet" if _is_parquet(p) else "jsonl") for p in files]
     return [Source(path, "parquet" if _is_parquet(path) else "jsonl")]
 
@@ -123,6 +130,7 @@ def data_hash(path: str | Path, chat_template: str | None = None) -> str:
 
 # --- readers ---------------------------------------------------------------------------------
 
+
 def _jsonl_records(path: Path) -> Iterator[tuple[int, bytes]]:
     try:
         f = open(path, "rb")
@@ -142,8 +150,10 @@ def _needs_extra(path: Path, what: str) -> DatasetError:
 def _columns(path: Path, names: list[str]) -> list[str]:
     cols = [c for c in COLUMNS if c in names]
     if not any(c in _KEYS for c in cols):
-        raise DatasetError(f"{path}: the columns are {', '.join(names) or '(none)'}; a row needs messages, "
-                           "conversations (from/value), or input_ids and loss_mask")
+        raise DatasetError(
+            f"{path}: the columns are {', '.join(names) or '(none)'}; a row needs messages, "
+            "conversations (from/value), or input_ids and loss_mask"
+        )
     return cols
 
 
@@ -166,8 +176,9 @@ def _parquet_records(path: Path) -> Iterator[tuple[int, dict]]:
         cols = _columns(path, pf.schema_arrow.names)
         yield from _rows(pf.iter_batches(batch_size=BATCH_ROWS, columns=cols))
     except (pa.ArrowException, OSError) as e:
-        raise DatasetError(f"{path}: cannot read the parquet file ({type(e).__name__}: {e}); check or "
-                           "rewrite the file") from None
+        raise DatasetError(
+            f"{path}: cannot read the parquet file ({type(e).__name__}: {e}); check or rewrite the file"
+        ) from None
 
 
 def _dataset_records(path: Path) -> Iterator[tuple[int, dict]]:
@@ -181,13 +192,17 @@ def _dataset_records(path: Path) -> Iterator[tuple[int, dict]]:
         except (OSError, ValueError, KeyError, TypeError):
             splits = []
         if len(splits) != 1:
-            raise DatasetError(f"{path}: a DatasetDict with the splits {', '.join(map(str, splits)) or '(none)'}; "
-                               f"give one split's directory, e.g. --data {path / str((splits or ['train'])[0])}")
+            raise DatasetError(
+                f"{path}: a DatasetDict with the splits {', '.join(map(str, splits)) or '(none)'}; "
+                f"give one split's directory, e.g. --data {path / str((splits or ['train'])[0])}"
+            )
         path = path / str(splits[0])
     try:
         ds = datasets.load_from_disk(str(path), keep_in_memory=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DatasetError(f"{path}: cannot load the saved dataset ({type(e).__name__}: {e}); write it again "
-                           "with datasets.save_to_disk") from None
+        raise DatasetError(
+            f"{path}: cannot load the saved dataset ({type(e).__name__}: {e}); write it again "
+            "with datasets.save_to_disk"
+        ) from None
     cols = _columns(path, list(ds.column_names))
     yield from _rows(ds.select_columns(cols).with_format("arrow").iter(batch_size=BATCH_ROWS))

@@ -20,17 +20,24 @@ the field.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from dflash_staged.config import Config
-from dflash_staged.model.dims import target_dims
 from dflash_staged.chat import ChatOptions, tokenize_messages
+from dflash_staged.config import Config
 from dflash_staged.errors import BadRecord
+from dflash_staged.model.dims import target_dims
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-FROM_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+FROM_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 KINDS = {"input_ids": "token ids", "messages": "messages", "conversations": "conversations (from/value)"}
 
 
@@ -44,8 +51,14 @@ def _int_array(value: Any, name: str) -> np.ndarray:
     except (ValueError, OverflowError):
         arr = np.asarray([0.5])  # ragged / nested: report as wrong type below
     if arr.ndim != 1 or arr.dtype.kind not in "iub" or (arr.dtype.kind == "b" and name == "input_ids"):
-        bad = next((v for v in value if not (isinstance(v, int) and not isinstance(v, bool)
-                                             and -2**62 < v < 2**62)), value[0])
+        bad = next(
+            (
+                v
+                for v in value
+                if not (isinstance(v, int) and not isinstance(v, bool) and -(2**62) < v < 2**62)
+            ),
+            value[0],
+        )
         raise BadRecord(name, f"expected a list of integers, found {json.dumps(bad)[:40]}")
     return arr
 
@@ -54,11 +67,12 @@ def _turns(value: Any, key: str, role_key: str, text_key: str) -> list[dict]:
     """The turns of ``key``, each checked to hold string ``role_key`` and ``text_key`` fields."""
     if not isinstance(value, list) or not value:
         what = "is empty" if isinstance(value, list) else f"got {type(value).__name__}"
-        raise BadRecord(key, f"{what}; expected a non-empty list of {{\"{role_key}\", \"{text_key}\"}} objects")
+        raise BadRecord(key, f'{what}; expected a non-empty list of {{"{role_key}", "{text_key}"}} objects')
     for i, m in enumerate(value):
         if not isinstance(m, dict):
-            raise BadRecord(f"{key}[{i}]", f"expected an object with {role_key} and {text_key}, "
-                                           f"got {type(m).__name__}")
+            raise BadRecord(
+                f"{key}[{i}]", f"expected an object with {role_key} and {text_key}, got {type(m).__name__}"
+            )
         for k in (role_key, text_key):
             if m.get(k) is None:
                 raise BadRecord(f"{key}[{i}].{k}", "missing field" + (" (null)" if k in m else ""))
@@ -71,8 +85,11 @@ def parse_messages(value: Any) -> list[dict]:
     out = _turns(value, "messages", "role", "content")
     for i, m in enumerate(out):
         if m["role"] not in ROLES:
-            raise BadRecord(f"messages[{i}].role", f"unknown role {m['role']!r}; use one of {', '.join(ROLES)} "
-                                                   "(ShareGPT-style turns go in conversations, with from/value)")
+            raise BadRecord(
+                f"messages[{i}].role",
+                f"unknown role {m['role']!r}; use one of {', '.join(ROLES)} "
+                "(ShareGPT-style turns go in conversations, with from/value)",
+            )
     return out
 
 
@@ -88,8 +105,9 @@ def parse_conversations(value: Any, system: Any = None) -> list[dict]:
     for i, t in enumerate(turns):
         role = FROM_ROLES.get(t["from"])
         if role is None:
-            raise BadRecord(f"conversations[{i}].from", f"unknown role {t['from']!r}; use one of "
-                                                        f"{', '.join(FROM_ROLES)}")
+            raise BadRecord(
+                f"conversations[{i}].from", f"unknown role {t['from']!r}; use one of {', '.join(FROM_ROLES)}"
+            )
         out.append({"role": role, "content": t["value"]})
     return out
 
@@ -110,8 +128,11 @@ def decode_line(raw: bytes) -> dict:
         raise BadRecord("(line)", f"malformed JSON: {str(e)[:120]}") from None
     if not isinstance(obj, dict):
         raise BadRecord("(line)", f"expected a JSON object, got {type(obj).__name__}")
-    if (b"true" in raw or b"false" in raw) and isinstance(obj.get("input_ids"), list) \
-            and any(type(v) is bool for v in obj["input_ids"]):
+    if (
+        (b"true" in raw or b"false" in raw)
+        and isinstance(obj.get("input_ids"), list)
+        and any(type(v) is bool for v in obj["input_ids"])
+    ):
         raise BadRecord("input_ids", "expected a list of integers, found true/false")  # numpy reads it as 1/0
     return obj
 
@@ -142,18 +163,26 @@ class RecordParser:
             obj = decode_line(record)
         present = [k for k in KINDS if k in obj]
         if len(present) > 1:
-            raise BadRecord(present[1], f"a record holds one of input_ids/loss_mask, messages or conversations, "
-                                        f"not {' and '.join(present)}")
+            raise BadRecord(
+                present[1],
+                f"a record holds one of input_ids/loss_mask, messages or conversations, "
+                f"not {' and '.join(present)}",
+            )
         if not present:
-            raise BadRecord("input_ids", "missing field: a record needs input_ids and loss_mask, messages, "
-                                         "or conversations")
+            raise BadRecord(
+                "input_ids",
+                "missing field: a record needs input_ids and loss_mask, messages, or conversations",
+            )
         kind = present[0]
         if kind == "input_ids":
             ids, mask = self._token_ids(obj)
             where = "input_ids"
         else:
-            messages = (parse_messages(obj["messages"]) if kind == "messages"
-                        else parse_conversations(obj["conversations"], obj.get("system")))
+            messages = (
+                parse_messages(obj["messages"])
+                if kind == "messages"
+                else parse_conversations(obj["conversations"], obj.get("system"))
+            )
             info: dict = {}
             ids, mask = tokenize_messages(self.tok, messages, self.chat, info)
             if len(ids) == 0:
@@ -167,8 +196,11 @@ class RecordParser:
             raise BadRecord(where, f"id {bad} at position {pos} is outside the vocabulary [0, {self.vocab})")
         if self.mask_id >= 0 and (ids == self.mask_id).any():
             pos = int(np.flatnonzero(ids == self.mask_id)[0])
-            raise BadRecord(where, f"contains the drafter's mask token id {self.mask_id} (drafter.mask_token_id) "
-                                   f"at position {pos}; the mask id must never occur in data")
+            raise BadRecord(
+                where,
+                f"contains the drafter's mask token id {self.mask_id} (drafter.mask_token_id) "
+                f"at position {pos}; the mask id must never occur in data",
+            )
         return ids, mask, kind
 
     @staticmethod
@@ -178,8 +210,9 @@ class RecordParser:
             raise BadRecord("loss_mask", "missing field; give one 0/1 per input id")
         mask = _int_array(obj["loss_mask"], "loss_mask")
         if len(mask) != len(ids):
-            raise BadRecord("loss_mask", f"has {len(mask)} values but input_ids has {len(ids)}; "
-                                         "give one 0/1 per input id")
+            raise BadRecord(
+                "loss_mask", f"has {len(mask)} values but input_ids has {len(ids)}; give one 0/1 per input id"
+            )
         if mask.dtype.kind != "b" and not ((mask == 0) | (mask == 1)).all():
             bad = int(mask[(mask != 0) & (mask != 1)][0])
             raise BadRecord("loss_mask", f"value {bad} is not 0 or 1")

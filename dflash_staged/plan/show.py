@@ -33,11 +33,18 @@ def _runs(tok, ids: np.ndarray, mask: np.ndarray) -> list[tuple[bool, str]]:
     return out
 
 
-def show_data(config_path: str | Path, data_path: str | Path, *, num: int = 3, lines: list[int] | None = None,
-              skip_bad: bool = False, progress: bool = False) -> dict:
+def show_data(
+    config_path: str | Path,
+    data_path: str | Path,
+    *,
+    num: int = 3,
+    lines: list[int] | None = None,
+    skip_bad: bool = False,
+    progress: bool = False,
+) -> dict:
     """The report described in the module docstring."""
-    from dflash_staged.config import load_config
     from dflash_staged.chat import ChatOptions
+    from dflash_staged.config import load_config
     from dflash_staged.plan.dataset import _load_tokenizer, load_dataset
 
     cfg = load_config(config_path)
@@ -51,57 +58,102 @@ def show_data(config_path: str | Path, data_path: str | Path, *, num: int = 3, l
     shown = []
     for i in chosen:
         ids, mask = samples.sample(i)
-        shown.append({"line": int(samples.lines[i]), "tokens": len(ids), "loss_tokens": int(mask.sum()),
-                      "runs": _runs(tok, ids, mask)})
-    return {"data": str(data_path), "config": str(config_path), "stats": samples.stats,
-            "bad_examples": samples.bad_examples, "max_len": cfg.data.max_len, "min_loss": cfg.min_loss_tokens,
-            "chat": {"kwargs": chat.kwargs, "template": chat.template_path or None},
-            "tokens": int(lengths.sum()), "loss_tokens": loss, "loss_fraction": loss / max(1, int(lengths.sum())),
-            "length": {"min": int(lengths.min()), "mean": float(lengths.mean()), "max": int(lengths.max()),
-                       **{f"p{p}": float(np.percentile(lengths, p)) for p in PERCENTILES}},
-            "samples": shown, "not_found": [n for n in (lines or []) if n not in where]}
+        shown.append(
+            {
+                "line": int(samples.lines[i]),
+                "tokens": len(ids),
+                "loss_tokens": int(mask.sum()),
+                "runs": _runs(tok, ids, mask),
+            }
+        )
+    return {
+        "data": str(data_path),
+        "config": str(config_path),
+        "stats": samples.stats,
+        "bad_examples": samples.bad_examples,
+        "max_len": cfg.data.max_len,
+        "min_loss": cfg.min_loss_tokens,
+        "chat": {"kwargs": chat.kwargs, "template": chat.template_path or None},
+        "tokens": int(lengths.sum()),
+        "loss_tokens": loss,
+        "loss_fraction": loss / max(1, int(lengths.sum())),
+        "length": {
+            "min": int(lengths.min()),
+            "mean": float(lengths.mean()),
+            "max": int(lengths.max()),
+            **{f"p{p}": float(np.percentile(lengths, p)) for p in PERCENTILES},
+        },
+        "samples": shown,
+        "not_found": [n for n in (lines or []) if n not in where],
+    }
 
 
 def summary_lines(r: dict) -> list[str]:
     """The whole-input figures, one per line."""
     st, ln = r["stats"], r["length"]
-    skipped = [f"{st[k]:,} {what}" for k, what in (("bad", "bad"), ("skipped_long", f"longer than {r['max_len']}"),
-                                                   ("skipped_short_loss", f"with < {r['min_loss']} loss tokens"))
-               if st.get(k)]
-    out = [f"data: {r['data']} ({st['format']})",
-           f"samples: {st['samples']:,} of {st['lines']:,} records; skipped: {', '.join(skipped) or 'none'}"
-           + (f"; truncated to {r['max_len']}: {st['truncated']:,}" if st.get("truncated") else ""),
-           f"chat template: {r['chat']['template'] or '(the tokenizer template)'}, options {r['chat']['kwargs']}",
-           f"tokens: {r['tokens']:,}; loss tokens: {r['loss_tokens']:,} ({r['loss_fraction']:.1%})",
-           "length (tokens): " + ", ".join([f"min {ln['min']}"] + [f"p{p} {ln[f'p{p}']:.0f}" for p in PERCENTILES]
-                                          + [f"max {ln['max']}", f"mean {ln['mean']:.1f}"])]
+    skipped = [
+        f"{st[k]:,} {what}"
+        for k, what in (
+            ("bad", "bad"),
+            ("skipped_long", f"longer than {r['max_len']}"),
+            ("skipped_short_loss", f"with < {r['min_loss']} loss tokens"),
+        )
+        if st.get(k)
+    ]
+    out = [
+        f"data: {r['data']} ({st['format']})",
+        f"samples: {st['samples']:,} of {st['lines']:,} records; skipped: {', '.join(skipped) or 'none'}"
+        + (f"; truncated to {r['max_len']}: {st['truncated']:,}" if st.get("truncated") else ""),
+        f"chat template: {r['chat']['template'] or '(the tokenizer template)'}, options "
+        f"{r['chat']['kwargs']}",
+        f"tokens: {r['tokens']:,}; loss tokens: {r['loss_tokens']:,} ({r['loss_fraction']:.1%})",
+        "length (tokens): "
+        + ", ".join(
+            [f"min {ln['min']}"]
+            + [f"p{p} {ln[f'p{p}']:.0f}" for p in PERCENTILES]
+            + [f"max {ln['max']}", f"mean {ln['mean']:.1f}"]
+        ),
+    ]
     out += [f"  e.g. {ex}" for ex in r["bad_examples"][:3]]
     if st.get("off_prompt"):
         from dflash_staged.chat import off_prompt_warning
+
         out.append(off_prompt_warning(st["off_prompt"]))
     if r["not_found"]:
-        out.append("not samples (blank, bad or skipped; see the counts above): line/row "
-                   + ", ".join(map(str, r["not_found"])))
+        out.append(
+            "not samples (blank, bad or skipped; see the counts above): line/row "
+            + ", ".join(map(str, r["not_found"]))
+        )
     return out
 
 
 def _header(s: dict) -> str:
-    return (f"line/row {s['line']}: {s['tokens']} tokens, {s['loss_tokens']} carry the loss "
-            f"({s['loss_tokens'] / max(1, s['tokens']):.1%})")
+    return (
+        f"line/row {s['line']}: {s['tokens']} tokens, {s['loss_tokens']} carry the loss "
+        f"({s['loss_tokens'] / max(1, s['tokens']):.1%})"
+    )
 
 
 def format_text(r: dict, color: bool) -> str:
     """The report for a terminal: loss tokens green and bold (or between [[ ]] without colour)."""
     import click
+
     out = summary_lines(r)
-    legend = (click.style("loss tokens", fg="green", bold=True) + ", " + click.style("context", dim=True)
-              if color else f"{LOSS_OPEN}loss tokens{LOSS_CLOSE}, context")
+    legend = (
+        click.style("loss tokens", fg="green", bold=True) + ", " + click.style("context", dim=True)
+        if color
+        else f"{LOSS_OPEN}loss tokens{LOSS_CLOSE}, context"
+    )
     out.append(f"shown: {len(r['samples'])} sample(s); {legend}")
     for s in r["samples"]:
         out.append(click.style(f"--- {_header(s)} ---", bold=True) if color else f"--- {_header(s)} ---")
         if color:
-            out.append("".join(click.style(t, fg="green", bold=True) if loss else click.style(t, dim=True)
-                               for loss, t in s["runs"]))
+            out.append(
+                "".join(
+                    click.style(t, fg="green", bold=True) if loss else click.style(t, dim=True)
+                    for loss, t in s["runs"]
+                )
+            )
         else:
             out.append("".join(f"{LOSS_OPEN}{t}{LOSS_CLOSE}" if loss else t for loss, t in s["runs"]))
     return "\n".join(out)
@@ -122,10 +174,14 @@ pre { white-space: pre-wrap; word-break: break-word; font: 13px/1.5 ui-monospace
 def format_html(r: dict) -> str:
     """A self-contained HTML page: the summary, then every chosen sample with the loss tokens highlighted."""
     e = html.escape
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>dflash data show</title>",
-             f"<style>{_CSS}</style></head><body>", f"<h1>dflash data show: {e(r['data'])}</h1>",
-             "<ul class='summary'>" + "".join(f"<li>{e(x)}</li>" for x in summary_lines(r)) + "</ul>",
-             "<p class='legend'><span class='loss'>loss tokens</span> <span class='ctx'>context (no loss)</span></p>"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>dflash data show</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>dflash data show: {e(r['data'])}</h1>",
+        "<ul class='summary'>" + "".join(f"<li>{e(x)}</li>" for x in summary_lines(r)) + "</ul>",
+        "<p class='legend'><span class='loss'>loss tokens</span> <span class='ctx'>context (no "
+        "loss)</span></p>",
+    ]
     for s in r["samples"]:
         body = "".join(f"<span class='{'loss' if loss else 'ctx'}'>{e(t)}</span>" for loss, t in s["runs"])
         parts.append(f"<h2>{e(_header(s))}</h2><pre>{body}</pre>")

@@ -26,20 +26,27 @@ STOP_GRACE_S = 30.0  # at the end, workers still running (the supervisor failed)
 def _batches(convs, batch_size: int) -> list[list]:
     """Conversations of similar length together (less padding), in groups of ``batch_size``."""
     order = sorted(convs, key=lambda c: (sum(len(t["content"]) for t in c.turns), c.line))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def _already_written(out: Path, lines: list[int]) -> bool:
     """OUT exists: True if it answers exactly these lines (nothing to do), else an error."""
     import json
+
     try:
-        got = [json.loads(x)["regenerated"]["line"] for x in out.read_text(encoding="utf-8").splitlines() if x.strip()]
+        got = [
+            json.loads(x)["regenerated"]["line"]
+            for x in out.read_text(encoding="utf-8").splitlines()
+            if x.strip()
+        ]
     except (OSError, ValueError, KeyError, TypeError):
         got = None
     if got == lines:
         return True
-    raise DflashError(f"{out} exists and is not the regenerated form of this prompts file; choose another --out "
-                      "or delete it")
+    raise DflashError(
+        f"{out} exists and is not the regenerated form of this prompts file; choose another --out "
+        "or delete it"
+    )
 
 
 def run_regenerate(prompts: Path, o: GenOptions, batch_size: int = 16) -> dict:
@@ -47,13 +54,17 @@ def run_regenerate(prompts: Path, o: GenOptions, batch_size: int = 16) -> dict:
     convs = read_conversations(prompts)
     lines = [c.line for c in convs]
     if o.out.exists() and not parts_dir(o.out).exists() and _already_written(o.out, lines):
-        click.echo(f"regenerate: {o.out} already holds the answers to all {len(lines)} conversations; nothing to do")
+        click.echo(
+            f"regenerate: {o.out} already holds the answers to all {len(lines)} conversations; nothing to do"
+        )
         return {"conversations": len(lines), "answered_now": 0}
     done = load_done(o.out)
     stray = sorted(set(done) - set(lines))
     if stray:
-        raise DflashError(f"{parts_dir(o.out)} holds answers to lines {stray[:5]} that {prompts} does not have: it "
-                          "belongs to another prompts file; delete it or choose another --out")
+        raise DflashError(
+            f"{parts_dir(o.out)} holds answers to lines {stray[:5]} that {prompts} does not have: it "
+            "belongs to another prompts file; delete it or choose another --out"
+        )
     todo = _batches([c for c in convs if c.line not in done], batch_size)
     if done:
         click.echo(f"regenerate: resuming, {len(done)}/{len(lines)} conversations already answered", err=True)
@@ -80,8 +91,7 @@ def _run_workers(todo: list[list], o: GenOptions, total: int, already: int) -> N
     with children.forwarding(signal.SIGINT, signal.SIGTERM):
         try:
             for i, d in enumerate(o.devices):
-                workers.append(SpawnedChild(ctx, f"regenerate-{i}", worker_main,
-                                            (i, d, o, work_q, status_q)))
+                workers.append(SpawnedChild(ctx, f"regenerate-{i}", worker_main, (i, d, o, work_q, status_q)))
             children.catch_up()
             while any(w.alive() for w in workers):
                 while pending and not children.stopping:
@@ -107,10 +117,14 @@ def _run_workers(todo: list[list], o: GenOptions, total: int, already: int) -> N
         finally:
             children.close(grace=STOP_GRACE_S)
     if errors:
-        raise DflashError("; ".join(errors)[-2000:] + f" (answers so far are kept in {parts_dir(o.out)}; rerun to go on)")
+        raise DflashError(
+            "; ".join(errors)[-2000:] + f" (answers so far are kept in {parts_dir(o.out)}; rerun to go on)"
+        )
     if children.signals:
-        raise DflashError(f"stopped by a signal; {answered}/{total} conversations answered and kept in "
-                          f"{parts_dir(o.out)}; rerun the same command to go on")
+        raise DflashError(
+            f"stopped by a signal; {answered}/{total} conversations answered and kept in "
+            f"{parts_dir(o.out)}; rerun the same command to go on"
+        )
     if any(w.code for w in workers):
         raise DflashError(f"a worker died (exit codes {[w.code for w in workers]}); rerun to finish")
 
@@ -119,13 +133,19 @@ def summarize(recs: list[dict]) -> dict:
     lens = np.asarray([n for r in recs for n in r["new_tokens"]], dtype=np.int64)
     stops = [s for r in recs for s in r["stop"]]
     pct = {f"p{q}": int(np.percentile(lens, q)) for q in (50, 90, 99)} if lens.size else {}
-    return {"conversations": len(recs), "turns": int(lens.size), "new_tokens": int(lens.sum()),
-            "new_tokens_per_turn": {**pct, "max": int(lens.max()) if lens.size else 0},
-            "stops": {k: stops.count(k) for k in ("eos", "length")}}
+    return {
+        "conversations": len(recs),
+        "turns": int(lens.size),
+        "new_tokens": int(lens.sum()),
+        "new_tokens_per_turn": {**pct, "max": int(lens.max()) if lens.size else 0},
+        "stops": {k: stops.count(k) for k in ("eos", "length")},
+    }
 
 
 def format_summary(s: dict, out: Path) -> str:
     p = s["new_tokens_per_turn"]
-    return (f"regenerate: wrote {out}: {s['conversations']:,} conversations, {s['turns']:,} answers, "
-            f"{s['new_tokens']:,} new tokens (per answer: median {p.get('p50', 0)}, p90 {p.get('p90', 0)}, "
-            f"max {p['max']}); stopped at eos {s['stops']['eos']:,}, at the length cap {s['stops']['length']:,}")
+    return (
+        f"regenerate: wrote {out}: {s['conversations']:,} conversations, {s['turns']:,} answers, "
+        f"{s['new_tokens']:,} new tokens (per answer: median {p.get('p50', 0)}, p90 {p.get('p90', 0)}, "
+        f"max {p['max']}); stopped at eos {s['stops']['eos']:,}, at the length cap {s['stops']['length']:,}"
+    )

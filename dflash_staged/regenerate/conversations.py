@@ -31,15 +31,22 @@ class Conversation:
 
 
 def _conversation(line: int, record) -> Conversation:
-    obj = decode_line(record) if isinstance(record, bytes) else {k: v for k, v in record.items() if v is not None}
+    obj = (
+        decode_line(record)
+        if isinstance(record, bytes)
+        else {k: v for k, v in record.items() if v is not None}
+    )
     if "messages" in obj:
         msgs, key = parse_messages(obj["messages"]), "messages"
     elif "conversations" in obj:
         msgs, key = parse_conversations(obj["conversations"], obj.get("system")), "conversations"
     else:
         raise BadRecord("messages", "missing field: a prompt needs messages or conversations (from/value)")
-    conv = Conversation(line, [{"role": m["role"], "content": m["content"]} for m in msgs if m["role"] in KEEP],
-                        {k: v for k, v in obj.items() if k not in ("messages", "conversations", "system", "regenerated")})
+    conv = Conversation(
+        line,
+        [{"role": m["role"], "content": m["content"]} for m in msgs if m["role"] in KEEP],
+        {k: v for k, v in obj.items() if k not in ("messages", "conversations", "system", "regenerated")},
+    )
     if not conv.user_turns:
         raise BadRecord(key, "no user turn to answer")
     return conv
@@ -53,8 +60,10 @@ def read_conversations(path: str | Path) -> list[Conversation]:
             try:
                 out.append(_conversation(len(out) + 1, record))
             except BadRecord as e:
-                raise DatasetError(f"{src.where(no)}: field {e.field}: {e}; each record must hold messages "
-                                   "([{role, content}]) or conversations ([{from, value}])") from None
+                raise DatasetError(
+                    f"{src.where(no)}: field {e.field}: {e}; each record must hold messages "
+                    "([{role, content}]) or conversations ([{from, value}])"
+                ) from None
     if not out:
         raise DatasetError(f"{path}: no conversations (the input is empty)")
     return out

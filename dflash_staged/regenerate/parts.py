@@ -65,7 +65,7 @@ class PartWriter:
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
         view = memoryview(data)
         while view:
-            view = view[os.write(self._fd, view):]
+            view = view[os.write(self._fd, view) :]
         os.fsync(self._fd)
 
     def close(self) -> None:
@@ -76,7 +76,9 @@ def finish(out: Path, lines: list[int], done: dict[int, dict]) -> None:
     """All ``lines`` answered: write OUT in input order atomically, then drop the parts."""
     missing = [n for n in lines if n not in done]
     if missing:
-        raise DflashError(f"{out}: {len(missing)} conversation(s) still unanswered (lines {missing[:10]}); "
-                          "rerun the same command to finish")
+        raise DflashError(
+            f"{out}: {len(missing)} conversation(s) still unanswered (lines {missing[:10]}); "
+            "rerun the same command to finish"
+        )
     atomic_write(out, "".join(json.dumps(done[n], ensure_ascii=False) + "\n" for n in lines))
     shutil.rmtree(parts_dir(out), ignore_errors=True)

@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
+from dflash_staged.chat import ChatOptions
 from dflash_staged.config import TargetConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.chat import ChatOptions
 from dflash_staged.procs import die_with_parent
 from dflash_staged.regenerate.conversations import Conversation
 from dflash_staged.regenerate.parts import PartWriter
@@ -92,26 +92,43 @@ def answer(model, tok, convs: list[Conversation], o: GenOptions, stop_ids: list[
         ids = torch.full((len(need), width), pad, dtype=torch.long)
         mask = torch.zeros((len(need), width), dtype=torch.long)
         for row, p in enumerate(prompts):  # left padding
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         sample = o.temperature > 0
-        kw = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p) if sample else dict(do_sample=False)
+        kw = (
+            dict(do_sample=True, temperature=o.temperature, top_p=o.top_p)
+            if sample
+            else dict(do_sample=False)
+        )
         torch.manual_seed(o.seed * 1_000_003 + convs[need[0]].line * 131 + rnd)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=o.max_new_tokens,
-                                 pad_token_id=pad, eos_token_id=stop_ids, **kw)
+            out = model.generate(
+                input_ids=ids.to(dev),
+                attention_mask=mask.to(dev),
+                max_new_tokens=o.max_new_tokens,
+                pad_token_id=pad,
+                eos_token_id=stop_ids,
+                **kw,
+            )
         for row, i in enumerate(need):
             new = out[row, width:].tolist()
             end = next((k for k, t in enumerate(new) if t in stop), None)
             stops[i].append("length" if end is None else "eos")
             new = new if end is None else new[:end]
             lens[i].append(len(new))
-            hist[i].append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()})
+            hist[i].append(
+                {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()}
+            )
         need = [i for i in need if advance(i)]
         rnd += 1
-    return [{**c.extra, "messages": hist[i],
-             "regenerated": {"line": c.line, "stop": stops[i], "new_tokens": lens[i]}}
-            for i, c in enumerate(convs)]
+    return [
+        {
+            **c.extra,
+            "messages": hist[i],
+            "regenerated": {"line": c.line, "stop": stops[i], "new_tokens": lens[i]},
+        }
+        for i, c in enumerate(convs)
+    ]
 
 
 def worker_main(rank: int, device: str, o: GenOptions, work_q, status_q) -> None:
@@ -128,14 +145,17 @@ def worker_main(rank: int, device: str, o: GenOptions, work_q, status_q) -> None
         n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         torch.set_num_threads(n or max(1, (os.cpu_count() or 1) // max(1, len(o.devices))))
     from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids
+
     writer = None
     try:
         model = load_target(o.target, device, layer_ids=[0]).model
         tok = load_tokenizer(o.target)
         stop_ids = stop_token_ids(model, tok)
         if not stop_ids:
-            raise DflashError(f"{o.target.model}: neither the model nor its tokenizer names an eos token; "
-                              "generation could never stop before max_new_tokens")
+            raise DflashError(
+                f"{o.target.model}: neither the model nor its tokenizer names an eos token; "
+                "generation could never stop before max_new_tokens"
+            )
         writer = PartWriter(o.out, rank)
         while not stop.is_set():
             try:

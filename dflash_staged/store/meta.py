@@ -17,16 +17,24 @@ FORMAT_VERSION = 1
 ARRAYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens", "sample_ids")
 COMPRESSIONS = ("none", "zstd")
 # logical dtype -> (torch dtype, zarr data_type on disk)
-LOGICAL_DTYPES = {name: (DTYPES[name], zdt) for name, zdt in
-                  (("bfloat16", "uint16"), ("float16", "float16"), ("float32", "float32"))}
+LOGICAL_DTYPES = {
+    name: (DTYPES[name], zdt)
+    for name, zdt in (("bfloat16", "uint16"), ("float16", "float16"), ("float32", "float32"))
+}
 TOKEN_BYTES = 5  # per token besides the hidden states: int32 input id + uint8 loss mask
 
 
 def bytes_per_token(num_layers: int, hidden_size: int, itemsize: int) -> int:
     """Shard bytes per real token: K tapped states of ``hidden_size`` values, + id + loss mask."""
     return num_layers * hidden_size * itemsize + TOKEN_BYTES
-SMALL_ARRAYS = {"input_ids": (torch.int32, "int32"), "loss_mask": (torch.uint8, "uint8"),  # (torch, zarr dtype)
-                "cu_seqlens": (torch.int64, "int64"), "sample_ids": (torch.int64, "int64")}
+
+
+SMALL_ARRAYS = {
+    "input_ids": (torch.int32, "int32"),
+    "loss_mask": (torch.uint8, "uint8"),  # (torch, zarr dtype)
+    "cu_seqlens": (torch.int64, "int64"),
+    "sample_ids": (torch.int64, "int64"),
+}
 
 
 class ShardError(DflashError):
@@ -86,11 +94,12 @@ class ShardInfo:
 @dataclass
 class Shard:
     """One job's packed samples, CPU tensors. ``hidden`` has the store's logical dtype."""
+
     epoch: int
     job_id: int
-    hidden: torch.Tensor      # [T, K, H]
-    input_ids: torch.Tensor   # [T] int32
-    loss_mask: torch.Tensor   # [T] bool
+    hidden: torch.Tensor  # [T, K, H]
+    input_ids: torch.Tensor  # [T] int32
+    loss_mask: torch.Tensor  # [T] bool
     cu_seqlens: torch.Tensor  # [B+1] int64
     sample_ids: torch.Tensor  # [B] int64
     nbytes: int
@@ -103,5 +112,6 @@ class Shard:
 @dataclass
 class StagedShard:
     """A completely written shard under its temporary name, not yet visible to readers."""
+
     tmp: Path
     info: ShardInfo

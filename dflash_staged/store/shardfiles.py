@@ -131,13 +131,21 @@ def array_json(shape, data_type: str, compression: str, logical_dtype: str) -> d
     codec = {"name": "bytes"}
     if np.dtype(data_type).itemsize > 1:
         codec["configuration"] = {"endian": "little"}
-    codecs = [codec] + ([{"name": "zstd", "configuration": {"level": 1, "checksum": False}}]
-                        if compression == "zstd" else [])
-    return {"zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": data_type,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, s) for s in shape]}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-            "fill_value": 0, "codecs": codecs, "attributes": {"logical_dtype": logical_dtype},
-            "storage_transformers": []}
+    codecs = [codec] + (
+        [{"name": "zstd", "configuration": {"level": 1, "checksum": False}}] if compression == "zstd" else []
+    )
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": data_type,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, s) for s in shape]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": 0,
+        "codecs": codecs,
+        "attributes": {"logical_dtype": logical_dtype},
+        "storage_transformers": [],
+    }
 
 
 def chunk_file(ndim: int) -> str:
@@ -167,6 +175,7 @@ def owner_dead(name: str, stale_s: float, path: Path, orphan=None) -> bool:
 
 def zstd():
     from numcodecs import Zstd
+
     return Zstd(level=1, checksum=False)
 
 
@@ -179,7 +188,8 @@ class ChunkError(Exception):
 
 
 def read_chunk(path: Path, view: np.ndarray, stored: int, verify: bool, compression: str) -> str:
-    """Read chunk file ``path`` (``stored`` bytes on disk) into uint8 ``view``; return its hash ("" if not ``verify``).
+    """Read chunk file ``path`` (``stored`` bytes on disk) into uint8 ``view``; return its hash (""
+    if not ``verify``).
 
     Uncompressed chunks are read straight into ``view`` (the only copy), block by block, each
     block hashed while it is in cache.
@@ -202,11 +212,11 @@ def read_chunk(path: Path, view: np.ndarray, stored: int, verify: bool, compress
             return hash_hex(view) if verify else ""
         mv, h, pos = memoryview(view), new_hash(), 0
         while pos < size:
-            n = f.readinto(mv[pos:pos + BLOCK])
+            n = f.readinto(mv[pos : pos + BLOCK])
             if not n:
                 raise ChunkError(f"ended at byte {pos} of {size}", truncated=True)
             if verify:
-                h.update(mv[pos:pos + n])
+                h.update(mv[pos : pos + n])
             pos += n
         if pos != view.size:
             raise ChunkError(f"holds {pos} bytes, the array needs {view.size}", truncated=pos < view.size)

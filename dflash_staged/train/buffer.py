@@ -93,8 +93,9 @@ class ShardBuffer:
         """
         if not self.entries:
             raise IndexError("draw from an empty buffer")
-        candidates = [i for i, e in enumerate(self.entries) if e.bucket not in exclude_buckets] \
-            or list(range(len(self.entries)))
+        candidates = [i for i, e in enumerate(self.entries) if e.bucket not in exclude_buckets] or list(
+            range(len(self.entries))
+        )
         if prefer_read:
             candidates = [i for i in candidates if self.entries[i].future.done()] or candidates
         k = int(torch.randint(len(candidates), (1,), generator=gen).item())
@@ -102,7 +103,8 @@ class ShardBuffer:
 
     @staticmethod
     def load(entry: Entry):
-        """The shard of a drawn entry (waits for its read; raises ShardError if it is bad) and the wait in s."""
+        """The shard of a drawn entry (waits for its read; raises ShardError if it is bad) and the wait in
+        s."""
         t0 = time.perf_counter()
         shard = entry.future.result()
         return shard, time.perf_counter() - t0

@@ -45,10 +45,10 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -86,6 +86,7 @@ class Stateful(Protocol):
 @dataclass
 class TrainerState(Mapping):
     """One checkpoint's trainer state: the JSON values and the tensors, read as one mapping."""
+
     values: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     path: Path | None = None  # where it was read from (for messages)
@@ -122,14 +123,18 @@ class TrainerState(Mapping):
             if getattr(comp, "per_rank", False):
                 bad = [k for k, v in part.items() if torch.is_tensor(v)]
                 if bad:
-                    raise ValueError(f"trainer component {name!r} is per rank: its part must be JSON values, "
-                                     f"not the tensor {bad[0]!r}")
+                    raise ValueError(
+                        f"trainer component {name!r} is per rank: its part must be JSON values, "
+                        f"not the tensor {bad[0]!r}"
+                    )
                 ranks = gather(part)  # this component's part of every rank
                 part = {k: [r[k] for r in ranks] for k in part}
             for k, v in part.items():
                 if k in owner or k == "format_version":
-                    raise ValueError(f"trainer components {owner.get(k, 'checkpoint')!r} and {name!r} "
-                                     f"both write the checkpoint key {k!r}")
+                    raise ValueError(
+                        f"trainer components {owner.get(k, 'checkpoint')!r} and {name!r} "
+                        f"both write the checkpoint key {k!r}"
+                    )
                 owner[k] = name
                 (tensors if torch.is_tensor(v) else values)[k] = v
         return cls(values, tensors)
@@ -178,8 +183,10 @@ def resolve_checkpoint(path: str | Path, flag: str) -> Path:
         return path
     latest = latest_checkpoint(path)
     if latest is None:
-        raise DflashError(f"{flag} {path}: neither a drafter checkpoint (config.json + model.safetensors) "
-                          "nor a run directory with checkpoints/step_*; give one of those")
+        raise DflashError(
+            f"{flag} {path}: neither a drafter checkpoint (config.json + model.safetensors) "
+            "nor a run directory with checkpoints/step_*; give one of those"
+        )
     return latest
 
 
@@ -192,8 +199,9 @@ def cleanup_tmp(run_dir: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: Path, step: int, *, write_drafter: Callable[[Path], None], state: TrainerState,
-                    keep: int) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, *, write_drafter: Callable[[Path], None], state: TrainerState, keep: int
+) -> Path:
     """Write checkpoint ``step`` atomically. ``write_drafter(dir)`` writes config.json + model.safetensors.
     A full disk is a :class:`CheckpointDiskFullError` naming the bytes needed, with nothing left behind."""
     drafter_bytes = None
@@ -201,8 +209,10 @@ def save_checkpoint(run_dir: Path, step: int, *, write_drafter: Callable[[Path],
         with atomic_dir(checkpoints_dir(run_dir) / f"step_{step:08d}", replace=True) as tmp:
             write_drafter(tmp)
             drafter_bytes = dir_bytes(tmp)
-            save_file({k: v.detach().contiguous().cpu() for k, v in state.tensors.items()},
-                      str(tmp / "trainer_state.safetensors"))
+            save_file(
+                {k: v.detach().contiguous().cpu() for k, v in state.tensors.items()},
+                str(tmp / "trainer_state.safetensors"),
+            )
             values = {**state.values, "format_version": FORMAT_VERSION}
             (tmp / "trainer_state.json").write_text(json.dumps(values, sort_keys=True))
     except Exception as e:
@@ -222,8 +232,9 @@ def _disk_full(e: BaseException) -> bool:
     return any(f"(os error {c})" in str(e) or os.strerror(c) in str(e) for c in codes)
 
 
-def _full_error(run_dir: Path, step: int, tensors: dict[str, torch.Tensor],
-                drafter_bytes: int | None) -> CheckpointDiskFullError:
+def _full_error(
+    run_dir: Path, step: int, tensors: dict[str, torch.Tensor], drafter_bytes: int | None
+) -> CheckpointDiskFullError:
     """The one-line error: bytes one checkpoint takes (the newest one's size; else the tensors being
     written plus the drafter weights, about a third of them when not written yet)."""
     d = checkpoints_dir(run_dir)
@@ -236,7 +247,8 @@ def _full_error(run_dir: Path, step: int, tensors: dict[str, torch.Tensor],
         f"no space left on the disk of checkpoint directory {d} while writing checkpoint step_{step:08d} "
         f"({need} bytes needed, {free} free); nothing of it was left, the older checkpoints and the manifest "
         "are intact. Free space (the disk must hold train.keep_checkpoints + 1 checkpoints while one is "
-        "written) and rerun the same command: it resumes from the newest checkpoint")
+        "written) and rerun the same command: it resumes from the newest checkpoint"
+    )
 
 
 def load_checkpoint(path: Path) -> TrainerState:
@@ -248,9 +260,12 @@ def load_checkpoint(path: Path) -> TrainerState:
         raise CheckpointError(
             f"the newest checkpoint {path} cannot be read ({type(e).__name__}: {e}). Shards it covered may "
             "already be deleted, so resuming from an older one could lose or repeat data: restore this "
-            "directory, or start a new --out run") from None
+            "directory, or start a new --out run"
+        ) from None
     version = state.get("format_version", 1)  # the first format had no version key
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has trainer-state format_version {version}; this dflash-staged "
-                              f"reads {FORMAT_VERSION}: resume it with the version that wrote it, or start a new --out")
+        raise CheckpointError(
+            f"checkpoint {path} has trainer-state format_version {version}; this dflash-staged "
+            f"reads {FORMAT_VERSION}: resume it with the version that wrote it, or start a new --out"
+        )
     return TrainerState(state, tensors, Path(path))

@@ -19,8 +19,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
     try:
         text = path.read_text()
     except OSError as e:
-        raise DflashError(f"{path}: cannot read the run's metrics ({e.strerror}); give a run directory of "
-                          "`dflash train --out`") from None
+        raise DflashError(
+            f"{path}: cannot read the run's metrics ({e.strerror}); give a run directory of "
+            "`dflash train --out`"
+        ) from None
     out = []
     for line in text.splitlines():
         try:
@@ -36,16 +38,21 @@ def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
     """Draw the curves of ``run_dir`` into a PNG (atomically); returns its path."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise DflashError("plotting needs matplotlib: pip install matplotlib (or the dev/demo extra)") from None
+        raise DflashError(
+            "plotting needs matplotlib: pip install matplotlib (or the dev/demo extra)"
+        ) from None
     recs = [r for r in read_metrics(run_dir) if r.get("loss") is not None]
     if not recs:
         raise DflashError(f"{run_dir}/metrics.jsonl has no step with a loss yet; train first")
     steps = [r["step"] for r in recs]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, title in zip(axes, ("loss", "tau", "lr"), ("loss", "training tau (implied)", "learning rate")):
+    for ax, key, title in zip(
+        axes, ("loss", "tau", "lr"), ("loss", "training tau (implied)", "learning rate")
+    ):
         ax.plot(steps, [r.get(key) for r in recs], lw=1)
         ax.set_xlabel("optimizer step")
         ax.set_title(title)
@@ -54,8 +61,10 @@ def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
         k = max(2, len(recs) // 20)
         for ax, key in zip(axes[:2], ("loss", "tau")):
             v = [r[key] for r in recs]
-            ax.plot(steps[k - 1:], [sum(v[i - k + 1:i + 1]) / k for i in range(k - 1, len(v))], lw=2)
-    fig.suptitle(f"{Path(run_dir).resolve().name}: {steps[-1]} steps, {sum(r['tokens'] for r in recs):,} tokens",
-                 fontsize=9)
+            ax.plot(steps[k - 1 :], [sum(v[i - k + 1 : i + 1]) / k for i in range(k - 1, len(v))], lw=2)
+    fig.suptitle(
+        f"{Path(run_dir).resolve().name}: {steps[-1]} steps, {sum(r['tokens'] for r in recs):,} tokens",
+        fontsize=9,
+    )
     fig.tight_layout()
     return write_figure_atomic(Path(out) if out else Path(run_dir) / "metrics.png", fig)

@@ -22,14 +22,23 @@ class Dist:
         self.enabled = self.world > 1
         if self.enabled:
             import torch.distributed as td
+
             backend = "nccl" if device.type == "cuda" else "gloo"
             td.init_process_group(backend)
             self.td = td
         self.device = device
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-        if run_id in (None, "", "none"):  # torchrun's static rendezvous (--master-addr, several nodes) names no run
-            run_id = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if self.enabled else None
-        self.group_id = run_id or uuid.uuid4().hex  # the ranks of one job share it: one trainer for the manifest
+        if run_id in (
+            None,
+            "",
+            "none",
+        ):  # torchrun's static rendezvous (--master-addr, several nodes) names no run
+            run_id = (
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if self.enabled else None
+            )
+        self.group_id = (
+            run_id or uuid.uuid4().hex
+        )  # the ranks of one job share it: one trainer for the manifest
 
     def any(self, flag: bool) -> bool:
         return self.sum_int(int(flag)) > 0
@@ -52,7 +61,7 @@ class Dist:
         off = 0
         for t in tensors:
             n = t.numel()
-            t.copy_(flat[off:off + n].view_as(t).to(t.device, t.dtype))
+            t.copy_(flat[off : off + n].view_as(t).to(t.device, t.dtype))
             off += n
 
     def gather_jobs(self, items: list) -> list:

@@ -30,6 +30,7 @@ WAIT_POLL_S = 0.25
 @dataclass
 class StepData:
     """What one optimizer step consumed on this rank."""
+
     shards: list = field(default_factory=list)  # (job, shard)
     wait_s: float = 0.0
     bucket_choices: int = 0  # distinct buckets in the buffer when the step was drawn

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from dflash_staged.config import REPLAY_OVERRIDABLE, Config, apply_overrides
-from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
+from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.options import TrainOptions
@@ -56,11 +56,17 @@ def wait_for_store(opts: TrainOptions, m: Manifest) -> ShardStore:
         if opts.replay:
             raise DflashError(f"replay: no store at {opts.store}; give the store the live run kept (--store)")
         if m.extract_done() and not m.counts()["written"]:
-            raise DflashError(f"no store at {opts.store} although {m.address} has nothing left to extract; "
-                              "check --store (it must be the path given to `dflash extract`)")
+            raise DflashError(
+                f"no store at {opts.store} although {m.address} has nothing left to extract; "
+                "check --store (it must be the path given to `dflash extract`)"
+            )
         if not said:
-            print(f"train: waiting for the store at {opts.store} (start `dflash extract --manifest {m.address} "
-                  f"--store {opts.store}`)", file=sys.stderr, flush=True)
+            print(
+                f"train: waiting for the store at {opts.store} (start `dflash extract --manifest {m.address} "
+                f"--store {opts.store}`)",
+                file=sys.stderr,
+                flush=True,
+            )
             said = True
         time.sleep(STORE_WAIT_POLL_S)
     return ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})

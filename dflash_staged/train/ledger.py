@@ -29,6 +29,7 @@ from dflash_staged.manifest import Manifest
 
 class Consumed(NamedTuple):
     """One job an optimizer step trained on (a list in the checkpoint's ``consumed`` record)."""
+
     job: int
     rank: int
     tokens: int  # real tokens

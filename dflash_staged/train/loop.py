@@ -3,7 +3,8 @@
 Each step: gather this step's shards (:mod:`dflash_staged.train.draw`: the drawing and waiting
 policy, the same for one rank and many), forward/backward every microbatch (each
 backpropagates its weighted loss sum), sum the gradients over ranks and divide them by the
-step's total loss weight over all ranks, take the optimizer step, record the shards as consumed, log, and every
+step's total loss weight over all ranks, take the optimizer step, record the shards as consumed, log, and
+every
 ``train.checkpoint_every`` steps checkpoint and release. The consumption, release and resume
 rules are :mod:`dflash_staged.train.ledger`'s; the components come from
 :func:`dflash_staged.train.trainer.build_trainer`.
@@ -32,8 +33,14 @@ def microbatches(shard, max_tokens: int) -> list[dict]:
     out = []
     for s, e in groups:
         a, b = cu[s], cu[e]
-        out.append({"hidden": shard.hidden[a:b], "input_ids": shard.input_ids[a:b].long(),
-                    "loss_mask": shard.loss_mask[a:b], "cu_seqlens": shard.cu_seqlens[s:e + 1] - a})
+        out.append(
+            {
+                "hidden": shard.hidden[a:b],
+                "input_ids": shard.input_ids[a:b].long(),
+                "loss_mask": shard.loss_mask[a:b],
+                "cu_seqlens": shard.cu_seqlens[s : e + 1] - a,
+            }
+        )
     return out
 
 
@@ -62,32 +69,46 @@ def forward_backward(model, mbs: list[dict], device, noise: float) -> dict:
     return stats
 
 
-def metrics_line(t: Trainer, jobs: list[Consumed], stats: dict, lr: float, data: StepData | None,
-                 step_s: float) -> dict:
+def metrics_line(
+    t: Trainer, jobs: list[Consumed], stats: dict, lr: float, data: StepData | None, step_s: float
+) -> dict:
     """This step's metrics line (loss and accuracies synchronise the host: every step on CPU,
     every ``train.log_every`` steps on CUDA)."""
     loss = acc = tau = None
     if t.device.type != "cuda" or t.step % t.cfg.train.log_every == 0:
-        vals = [stats["correct"], stats["total"]] + [stats[k].reshape(1) for k in
-                                                     ("loss_sum", "weight_sum", "accepted", "blocks")]
+        vals = [stats["correct"], stats["total"]] + [
+            stats[k].reshape(1) for k in ("loss_sum", "weight_sum", "accepted", "blocks")
+        ]
         t.dist.all_reduce_(vals)
         loss = float(stats["loss_sum"] / stats["weight_sum"].clamp_min(1e-12))
         acc = per_offset_accuracy(stats["correct"], stats["total"])
         tau = training_tau(stats["accepted"], stats["blocks"])
     choices = t.dist.sum_int(data.bucket_choices if data else 0)
-    return {"step": t.step, "loss": loss, "lr": lr, "acc": acc, "tau": tau,
-            "tokens": sum(c.tokens for c in jobs), "jobs": [c.job for c in jobs],
-            "ranks": [c.rank for c in jobs], "buckets": [c.bucket for c in jobs],
-            "lengths": [round(c.mean_len, 1) for c in jobs], "digests": [c.digest for c in jobs],
-            "data_wait_s": round(data.wait_s if data else 0.0, 4), "step_s": round(step_s, 4),
-            "buffer": len(t.buffer), "bucket_choices": choices}
+    return {
+        "step": t.step,
+        "loss": loss,
+        "lr": lr,
+        "acc": acc,
+        "tau": tau,
+        "tokens": sum(c.tokens for c in jobs),
+        "jobs": [c.job for c in jobs],
+        "ranks": [c.rank for c in jobs],
+        "buckets": [c.bucket for c in jobs],
+        "lengths": [round(c.mean_len, 1) for c in jobs],
+        "digests": [c.digest for c in jobs],
+        "data_wait_s": round(data.wait_s if data else 0.0, 4),
+        "step_s": round(step_s, 4),
+        "buffer": len(t.buffer),
+        "bucket_choices": choices,
+    }
 
 
 def consumed_item(job, rank: int, shard) -> Consumed:
     """What the ledger records of one job a step trained on."""
     n = int(shard.input_ids.numel())
-    return Consumed(job.id, rank, n, job.bucket, n / max(1, shard.cu_seqlens.numel() - 1),
-                    token_digest(shard.input_ids))
+    return Consumed(
+        job.id, rank, n, job.bucket, n / max(1, shard.cu_seqlens.numel() - 1), token_digest(shard.input_ids)
+    )
 
 
 def train_loop(t: Trainer) -> int:
@@ -120,7 +141,9 @@ def train_loop(t: Trainer) -> int:
         # ---- log --------------------------------------------------------------------------------
         line = metrics_line(t, jobs, stats, lr, data, step_s)
         t.metrics.write(line)
-        t.progress.step(t.step, line["loss"], line["tokens"] / max(step_s, 1e-9), len(t.buffer), t.buffer.capacity)
+        t.progress.step(
+            t.step, line["loss"], line["tokens"] / max(step_s, 1e-9), len(t.buffer), t.buffer.capacity
+        )
 
         # ---- checkpoint + release shards the checkpoint covers ------------------------------------
         stopping = dist.any(bool(stop))  # every rank agrees, since checkpointing is collective

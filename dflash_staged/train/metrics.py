@@ -28,7 +28,9 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise DflashError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+                raise DflashError(
+                    "--tensorboard needs the tensorboard package: pip install tensorboard"
+                ) from None
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, line: dict) -> None:

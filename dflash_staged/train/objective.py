@@ -52,8 +52,13 @@ def _field(batch: Any, name: str) -> torch.Tensor:
     return getattr(batch, name)
 
 
-def sample_anchors(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, num_anchors: int,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Sorted packed indices of the anchors: up to ``num_anchors`` per sequence (see contract)."""
     dev = loss_mask.device
     T = loss_mask.shape[0]
@@ -74,8 +79,13 @@ def sample_anchors(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, block_size
     return chosen.sort().values
 
 
-def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                 anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels ``[A, B-1]`` for offsets 1..B-1 and their validity mask (inside the sequence and
     ``loss_mask = 1``). Invalid labels are 0."""
     dev = input_ids.device
@@ -112,17 +122,17 @@ class _ChunkedHeadCE(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_grad else None
         with torch.autocast(dev_type, enabled=False):
             for s in range(0, h.shape[0], chunk):
-                hc, y, w = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk], row_w[s:s + chunk]
+                hc, y, w = h[s : s + chunk].to(weight.dtype), labels[s : s + chunk], row_w[s : s + chunk]
                 logits = (hc @ weight.t()).float()
                 lse = torch.logsumexp(logits, -1)
                 picked = logits.gather(1, y[:, None])[:, 0]
                 total += (w * (lse - picked)).sum()
-                hits[s:s + chunk] = logits.argmax(-1) == y
+                hits[s : s + chunk] = logits.argmax(-1) == y
                 if need_grad:  # d/dlogits = (softmax - onehot) * w / denom
                     logits.sub_(lse[:, None]).exp_()
                     logits.scatter_add_(1, y[:, None], -torch.ones_like(picked)[:, None])
                     logits.mul_((w / denom)[:, None])
-                    grad_h[s:s + chunk] = (logits.to(weight.dtype) @ weight).to(h.dtype)
+                    grad_h[s : s + chunk] = (logits.to(weight.dtype) @ weight).to(h.dtype)
         ctx.save_for_backward(grad_h if need_grad else None)
         ctx.mark_non_differentiable(hits)
         return total / denom, hits
@@ -134,13 +144,25 @@ class _ChunkedHeadCE(torch.autograd.Function):
         return gh, None, None, None, None, None
 
 
-def head_loss(h: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, row_weights: torch.Tensor,
-              loss_chunk: int = 4096, denom=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def head_loss(
+    h: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    row_weights: torch.Tensor,
+    loss_chunk: int = 4096,
+    denom=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE of the LM head over rows ``h [P, H]`` divided by ``denom`` (default: the weight
     sum, a weighted mean); returns (loss, weight_sum, hits [P])."""
     wsum = row_weights.float().sum()
-    denom = wsum.clamp_min(1e-6) if denom is None else torch.as_tensor(denom, dtype=torch.float32, device=h.device)
-    loss, hits = _ChunkedHeadCE.apply(h, lm_head_weight, labels, row_weights.float(), denom, max(1, loss_chunk))
+    denom = (
+        wsum.clamp_min(1e-6)
+        if denom is None
+        else torch.as_tensor(denom, dtype=torch.float32, device=h.device)
+    )
+    loss, hits = _ChunkedHeadCE.apply(
+        h, lm_head_weight, labels, row_weights.float(), denom, max(1, loss_chunk)
+    )
     return loss, wsum, hits
 
 
@@ -160,9 +182,17 @@ def block_acceptance(hits: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Ten
     return run.sum(), valid.any(dim=1).sum()
 
 
-def dflash_loss(drafter, batch: Any, num_anchors: int, gamma: float, generator: torch.Generator | None = None,
-                noise_std: float = 0.0, loss_chunk: int = 4096, denom=None,
-                attention="sdpa") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dflash_loss(
+    drafter,
+    batch: Any,
+    num_anchors: int,
+    gamma: float,
+    generator: torch.Generator | None = None,
+    noise_std: float = 0.0,
+    loss_chunk: int = 4096,
+    denom=None,
+    attention="sdpa",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DFlash loss of one microbatch and its stats (see the module contract)."""
     hidden = _field(batch, "hidden")
     dev = hidden.device
@@ -170,8 +200,10 @@ def dflash_loss(drafter, batch: Any, num_anchors: int, gamma: float, generator: 
     loss_mask = _field(batch, "loss_mask").to(dev)
     cu = _field(batch, "cu_seqlens").to(device=dev, dtype=torch.long)
     if cu.numel() < 2 or int(cu[-1]) != hidden.shape[0] or input_ids.shape[0] != hidden.shape[0]:
-        raise DflashError(f"batch: cu_seqlens ends at {int(cu[-1]) if cu.numel() else None} but hidden has "
-                          f"{hidden.shape[0]} rows and input_ids {input_ids.shape[0]}; the shard is inconsistent")
+        raise DflashError(
+            f"batch: cu_seqlens ends at {int(cu[-1]) if cu.numel() else None} but hidden has "
+            f"{hidden.shape[0]} rows and input_ids {input_ids.shape[0]}; the shard is inconsistent"
+        )
     B = drafter.block_size
     anchors = sample_anchors(loss_mask, cu, B, num_anchors, generator)
     A = anchors.shape[0]
@@ -180,19 +212,39 @@ def dflash_loss(drafter, batch: Any, num_anchors: int, gamma: float, generator: 
         loss = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
         zero = torch.zeros((), device=dev)
         none = torch.zeros((), dtype=torch.long, device=dev)
-        return loss, {"correct": zeros, "total": zeros.clone(), "loss_sum": zero, "weight_sum": zero.clone(),
-                      "accepted": none, "blocks": none.clone(), "num_anchors": none.clone()}
+        return loss, {
+            "correct": zeros,
+            "total": zeros.clone(),
+            "loss_sum": zero,
+            "weight_sum": zero.clone(),
+            "accepted": none,
+            "blocks": none.clone(),
+            "num_anchors": none.clone(),
+        }
     hidden = add_noise(hidden, noise_std, generator)
     out = drafter.forward_train(hidden, input_ids, cu, anchors, attention=attention)[:, 1:]  # [A, B-1, H]
     labels, valid = block_labels(input_ids, loss_mask, cu, anchors, B)
     w = decay_weights(B, gamma, dev)[None, :] * valid
-    loss, wsum, hits = head_loss(out.reshape(-1, out.shape[-1]), drafter.lm_head_weight, labels.reshape(-1),
-                                 w.reshape(-1), loss_chunk, denom)
+    loss, wsum, hits = head_loss(
+        out.reshape(-1, out.shape[-1]),
+        drafter.lm_head_weight,
+        labels.reshape(-1),
+        w.reshape(-1),
+        loss_chunk,
+        denom,
+    )
     hits = hits.view(A, B - 1)
     accepted, blocks = block_acceptance(hits, valid)
     used = wsum.clamp_min(1e-6) if denom is None else torch.as_tensor(denom, dtype=torch.float32, device=dev)
-    stats = {"correct": (hits & valid).sum(0), "total": valid.sum(0), "loss_sum": loss.detach() * used,
-             "weight_sum": wsum, "accepted": accepted, "blocks": blocks, "num_anchors": torch.tensor(A, device=dev)}
+    stats = {
+        "correct": (hits & valid).sum(0),
+        "total": valid.sum(0),
+        "loss_sum": loss.detach() * used,
+        "weight_sum": wsum,
+        "accepted": accepted,
+        "blocks": blocks,
+        "num_anchors": torch.tensor(A, device=dev),
+    }
     return loss, stats
 
 

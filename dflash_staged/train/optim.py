@@ -10,8 +10,14 @@ import torch
 from dflash_staged.config import TrainConfig
 
 
-def lr_at(step: int, total: int, base: float, warmup_ratio: float, schedule: str = "cosine",
-          decay_ratio: float = 0.2) -> float:
+def lr_at(
+    step: int,
+    total: int,
+    base: float,
+    warmup_ratio: float,
+    schedule: str = "cosine",
+    decay_ratio: float = 0.2,
+) -> float:
     """The learning rate of step ``step`` (completed steps, 0-based) of ``total``: linear warmup over
     ``warmup_ratio`` of the steps, then ``cosine`` decay to zero, or ``wsd``: stable at ``base``, then
     a linear decay to zero over the last ``decay_ratio`` of the steps."""
@@ -31,11 +37,14 @@ class Optimizer:
     def __init__(self, params: dict[str, torch.nn.Parameter], t: TrainConfig, dist):
         self.params, self.t, self.dist = params, t, dist
         self.names = {p: n for n, p in params.items()}
-        self.opt = torch.optim.AdamW(list(params.values()), lr=t.lr, betas=tuple(t.betas),
-                                     weight_decay=t.weight_decay, eps=1e-8)
+        self.opt = torch.optim.AdamW(
+            list(params.values()), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, eps=1e-8
+        )
 
     def lr(self, step: int, total_steps: int) -> float:
-        return lr_at(step, total_steps, self.t.lr, self.t.warmup_ratio, self.t.lr_schedule, self.t.decay_ratio)
+        return lr_at(
+            step, total_steps, self.t.lr, self.t.warmup_ratio, self.t.lr_schedule, self.t.decay_ratio
+        )
 
     def reduce_gradients(self, weight_sum: torch.Tensor | None = None) -> None:
         """Sum the gradients over ranks and, given this rank's loss weight sum for the step, divide
@@ -82,6 +91,8 @@ class Optimizer:
                 p.copy_(state[f"master.{n}"].to(p.device, p.dtype))
         for n, p in self.params.items():
             if f"opt.{n}.exp_avg" in state:
-                self.opt.state[p] = {"step": torch.tensor(steps),
-                                     "exp_avg": state[f"opt.{n}.exp_avg"].to(p.device, p.dtype),
-                                     "exp_avg_sq": state[f"opt.{n}.exp_avg_sq"].to(p.device, p.dtype)}
+                self.opt.state[p] = {
+                    "step": torch.tensor(steps),
+                    "exp_avg": state[f"opt.{n}.exp_avg"].to(p.device, p.dtype),
+                    "exp_avg_sq": state[f"opt.{n}.exp_avg_sq"].to(p.device, p.dtype),
+                }

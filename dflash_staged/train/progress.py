@@ -16,11 +16,15 @@ class Progress:
         self.total = total
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
+
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr)
 
     def waiting(self, ready: int, need: int, one_bucket: bool = False) -> None:
-        self._say(f"waiting for shards: {ready}/{need} ready" + (", all of one length bucket" if one_bucket else ""),
-                  force=False)
+        self._say(
+            f"waiting for shards: {ready}/{need} ready"
+            + (", all of one length bucket" if one_bucket else ""),
+            force=False,
+        )
 
     def step(self, step: int, loss, tok_s: float, buf: int, cap: int) -> None:
         msg = f"loss {loss:.4f}" if loss is not None else "loss -"
@@ -28,7 +32,9 @@ class Progress:
             self.bar.n = step
             self.bar.set_postfix_str(f"{msg} | {tok_s:,.0f} tok/s | buffer {buf}/{cap}")
         else:
-            self._say(f"step {step}/{self.total} | {msg} | {tok_s:,.0f} tok/s | buffer {buf}/{cap}", force=False)
+            self._say(
+                f"step {step}/{self.total} | {msg} | {tok_s:,.0f} tok/s | buffer {buf}/{cap}", force=False
+            )
 
     def _say(self, text: str, force: bool) -> None:
         if not self.enabled:

@@ -64,8 +64,12 @@ class LiveSource:
         """Raise if pending jobs remain but no extractor has been alive for a while."""
         self.m.reclaim_stale()  # claims of dead workers go back to pending
         c = self.m.counts()
-        if c["pending"] == 0 or c["claimed"] > 0 or self.m.live_procs("extract") \
-                or not self.m.ever_registered("extract"):
+        if (
+            c["pending"] == 0
+            or c["claimed"] > 0
+            or self.m.live_procs("extract")
+            or not self.m.ever_registered("extract")
+        ):
             self._no_extractor_since = None
             return
         now = time.time()
@@ -74,17 +78,21 @@ class LiveSource:
         elif now - self._no_extractor_since > EXTRACTOR_GRACE_S:
             ids = [j.id for j in self.m.jobs("pending")]
             shown = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")
-            raise DrainError(f"{len(ids)} job(s) are still pending ({shown}) but no `dflash extract` is running for "
-                             f"{self.m.address}; rerun `dflash extract --manifest {self.m.address} --store "
-                             f"{self.store.root}` and then this command")
+            raise DrainError(
+                f"{len(ids)} job(s) are still pending ({shown}) but no `dflash extract` is running for "
+                f"{self.m.address}; rerun `dflash extract --manifest {self.m.address} --store "
+                f"{self.store.root}` and then this command"
+            )
 
     def final_status(self) -> int:
         failed = self.m.jobs("failed")
         if failed:
-            raise DrainError(f"{len(failed)} job(s) failed extraction and were not trained: "
-                             + "; ".join(f"job {j.id}" for j in failed[:20])
-                             + f". See `dflash status --manifest {self.m.address}`, fix the cause, rerun "
-                             "`dflash extract` (it retries failed jobs), then rerun this command")
+            raise DrainError(
+                f"{len(failed)} job(s) failed extraction and were not trained: "
+                + "; ".join(f"job {j.id}" for j in failed[:20])
+                + f". See `dflash status --manifest {self.m.address}`, fix the cause, rerun "
+                "`dflash extract` (it retries failed jobs), then rerun this command"
+            )
         return 0
 
 
@@ -97,16 +105,20 @@ class ReplaySource:
         self.m, self.store = manifest, store
         kept = [j for j in manifest.jobs("kept")]
         if not kept:
-            raise DflashError(f"{manifest.address} has no kept shards to replay; run the live trainer with "
-                              "--keep-shards first")
+            raise DflashError(
+                f"{manifest.address} has no kept shards to replay; run the live trainer with "
+                "--keep-shards first"
+            )
         kept.sort(key=lambda j: (j.epoch, j.pos))
         self.by_id = {j.id: j for j in kept}
         self.order = order
         if order:
             missing = sorted({i for ids in order.values() for i in ids} - set(self.by_id))
             if missing:
-                raise DflashError(f"--order-from lists jobs that are not kept in {manifest.address}: {missing[:10]}; "
-                                  "replay needs the shards kept (--keep-shards) by the recorded run")
+                raise DflashError(
+                    f"--order-from lists jobs that are not kept in {manifest.address}: {missing[:10]}; "
+                    "replay needs the shards kept (--keep-shards) by the recorded run"
+                )
             self.sequence: list[Job] = []
         else:
             self.sequence = kept * passes
@@ -115,7 +127,7 @@ class ReplaySource:
     def fill(self, buffer) -> None:
         n = min(buffer.free, len(self.sequence) - self.pos)
         if n > 0:
-            buffer.admit(self.sequence[self.pos:self.pos + n])
+            buffer.admit(self.sequence[self.pos : self.pos + n])
             self.pos += n
 
     def admit_ids(self, buffer, ids: list[int]) -> None:
@@ -138,6 +150,7 @@ class ReplaySource:
 
     def _read(self, job: Job):
         import concurrent.futures as cf
+
         f: cf.Future = cf.Future()
         try:
             f.set_result(self.store.read_shard(job.epoch, job.id, job.checksum, True))
@@ -149,8 +162,10 @@ class ReplaySource:
         return bool(self.order) and step >= max(self.order)
 
     def bad_shard(self, job: Job, err: Exception) -> None:
-        raise DflashError(f"replay: kept shard of job {job.id} failed verification ({err}); a replay cannot "
-                          "re-extract it. Rerun the live pipeline for this manifest, or replay another store")
+        raise DflashError(
+            f"replay: kept shard of job {job.id} failed verification ({err}); a replay cannot "
+            "re-extract it. Rerun the live pipeline for this manifest, or replay another store"
+        )
 
     def check_progress_possible(self) -> None:
         return None

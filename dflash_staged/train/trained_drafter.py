@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from dflash_staged.config import Config, TrainConfig
+from dflash_staged.errors import DflashError
 from dflash_staged.model.drafter import DFlashDrafter
 from dflash_staged.model.flex_blocks import resolve_attention
 from dflash_staged.model.weights import write_drafter_files
-from dflash_staged.errors import DflashError
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.objective import dflash_loss, noise_std_at
@@ -52,14 +52,29 @@ class DrafterModel:
     def loss(self, mb: dict, noise: float):
         """(weighted CE sum, stats) of one microbatch already on the device; see :func:`dflash_loss`."""
         with self.autocast():
-            return dflash_loss(self.drafter, mb, self.t.num_anchors, self.t.gamma, self.anchor_gen, noise,
-                               self.t.loss_chunk, denom=1.0, attention=self.attention)
+            return dflash_loss(
+                self.drafter,
+                mb,
+                self.t.num_anchors,
+                self.t.gamma,
+                self.anchor_gen,
+                noise,
+                self.t.loss_chunk,
+                denom=1.0,
+                attention=self.attention,
+            )
 
     def zero_stats(self) -> dict[str, torch.Tensor]:
         z = torch.zeros(self.block_size - 1, dtype=torch.float64, device=self.device)
         s = torch.zeros((), dtype=torch.float64, device=self.device)
-        return {"correct": z.clone(), "total": z.clone(), "loss_sum": s.clone(), "weight_sum": s.clone(),
-                "accepted": s.clone(), "blocks": s.clone()}
+        return {
+            "correct": z.clone(),
+            "total": z.clone(),
+            "loss_sum": s.clone(),
+            "weight_sum": s.clone(),
+            "accepted": s.clone(),
+            "blocks": s.clone(),
+        }
 
     @staticmethod
     def add_stats(acc: dict, st: dict) -> None:
@@ -74,11 +89,16 @@ class DrafterModel:
     def load_state_dict(self, state) -> None:
         """Refuse a checkpoint of another drafter config (the dtype may differ)."""
         have, want = state["drafter_config"], self.drafter.dcfg.to_dict()
-        diffs = [f"{k}: {have.get(k)!r} -> {want.get(k)!r}" for k in sorted(set(have) | set(want))
-                 if have.get(k) != want.get(k) and k not in ("dtype", "torch_dtype")]
+        diffs = [
+            f"{k}: {have.get(k)!r} -> {want.get(k)!r}"
+            for k in sorted(set(have) | set(want))
+            if have.get(k) != want.get(k) and k not in ("dtype", "torch_dtype")
+        ]
         if diffs:
-            raise DflashError(f"checkpoint {getattr(state, 'path', '')} was trained with another drafter config "
-                              f"({'; '.join(diffs[:6])}); use a new --out for this config")
+            raise DflashError(
+                f"checkpoint {getattr(state, 'path', '')} was trained with another drafter config "
+                f"({'; '.join(diffs[:6])}); use a new --out for this config"
+            )
 
     def write_drafter(self, d) -> None:
         """The servable reference-format drafter (config.json + model.safetensors) into directory ``d``."""
@@ -93,20 +113,27 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_fro
     from dflash_staged.model.target import load_tokenizer
     from dflash_staged.model.target_weights import load_embed_and_head
     from dflash_staged.model.weights import validate_mask_token
+
     dims = target_dims(cfg.target)
     if store.meta.hidden_size != dims.hidden_size:
-        raise DflashError(f"store {store.root} holds hidden size {store.meta.hidden_size} but the target "
-                          f"{cfg.target.model} has {dims.hidden_size}; use the store extracted from this target")
+        raise DflashError(
+            f"store {store.root} holds hidden size {store.meta.hidden_size} but the target "
+            f"{cfg.target.model} has {dims.hidden_size}; use the store extracted from this target"
+        )
     embed_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed, head = load_embed_and_head(cfg.target, dtype=embed_dtype, device=device)
     mask_id = validate_mask_token(cfg.drafter.mask_token_id, load_tokenizer(cfg.target), dims.vocab_size)
     from_target = cfg.drafter.init != "random"  # target_top, or auto
     if from_target and not cfg.drafter.intermediate_size:  # the target's MLP width, so it can be copied
         from dflash_staged.model.dims import target_text_config
+
         cfg = copy.deepcopy(cfg)
-        cfg.drafter.intermediate_size = int(getattr(target_text_config(cfg.target), "intermediate_size", 0) or 0)
-    dcfg = DraftModelConfig.from_config(cfg, dims.hidden_size, dims.vocab_size, dims.num_layers,
-                                        list(store.meta.layer_ids), mask_id)
+        cfg.drafter.intermediate_size = int(
+            getattr(target_text_config(cfg.target), "intermediate_size", 0) or 0
+        )
+    dcfg = DraftModelConfig.from_config(
+        cfg, dims.hidden_size, dims.vocab_size, dims.num_layers, list(store.meta.layer_ids), mask_id
+    )
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, embed, head)
     if from_target and init_from is None:  # (a warm start replaces every weight anyway)
@@ -121,34 +148,46 @@ def init_from_target_layers(cfg: Config, drafter, fresh):
     """``drafter.init``: target_top copies the target's top layers (or fails, naming the fix); auto
     does so where they fit and otherwise keeps random weights (``fresh()``, same seed), saying why."""
     from dflash_staged.model.init import init_from_target
+
     try:
         copied = init_from_target(drafter, cfg.target)
     except DflashError as e:
         if cfg.drafter.init == "target_top":
             raise
         torch.manual_seed(cfg.train.seed)
-        print(f"train: drafter.init = 'auto': random weights, the target's layers do not fit ({e})",
-              file=sys.stderr, flush=True)
+        print(
+            f"train: drafter.init = 'auto': random weights, the target's layers do not fit ({e})",
+            file=sys.stderr,
+            flush=True,
+        )
         return fresh()
-    print(f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
-          file=sys.stderr, flush=True)
+    print(
+        f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
+        file=sys.stderr,
+        flush=True,
+    )
     return drafter
 
 
 def warm_start(drafter, path: Path) -> Path:
     """Copy a checkpoint's drafter weights (its fp32 masters when it has them) into ``drafter``."""
     from safetensors.torch import load_file
+
     ck = ckpt.resolve_checkpoint(path, "--init-from")
     masters = ck / "trainer_state.safetensors"
     if masters.is_file():
-        state = {k[len("master."):]: v for k, v in load_file(str(masters)).items() if k.startswith("master.")}
+        state = {
+            k[len("master.") :]: v for k, v in load_file(str(masters)).items() if k.startswith("master.")
+        }
     else:
         state = load_file(str(ck / "model.safetensors"))
     own = dict(drafter.named_parameters())
     bad = sorted(set(own) ^ set(state)) or [k for k in own if tuple(own[k].shape) != tuple(state[k].shape)]
     if bad:
-        raise DflashError(f"--init-from {ck}: its drafter does not fit this one ({bad[0]} and {len(bad) - 1} more "
-                          "differ); warm-start from a drafter of the same layers and sizes")
+        raise DflashError(
+            f"--init-from {ck}: its drafter does not fit this one ({bad[0]} and {len(bad) - 1} more "
+            "differ); warm-start from a drafter of the same layers and sizes"
+        )
     with torch.no_grad():
         for k, p in own.items():
             p.copy_(state[k].to(p.dtype))

@@ -31,32 +31,39 @@ from dflash_staged.train.distributed import Dist
 from dflash_staged.train.draw import raise_together
 from dflash_staged.train.ledger import Ledger
 from dflash_staged.train.metrics import MetricsLog
-from dflash_staged.train.trained_drafter import DrafterModel, build_drafter
 from dflash_staged.train.optim import Optimizer
 from dflash_staged.train.options import TrainOptions
 from dflash_staged.train.progress import Progress
 from dflash_staged.train.sources import LiveSource, ReplaySource
+from dflash_staged.train.trained_drafter import DrafterModel, build_drafter
 
 
 class Generators:
     """This rank's random generators (buffer draws, anchors), as one checkpoint component."""
+
     per_rank = True
 
     def __init__(self, **gens: torch.Generator):
         self.gens = gens
 
     def state_dict(self) -> dict:
-        return {"generators": {k: base64.b64encode(g.get_state().numpy().tobytes()).decode()
-                               for k, g in self.gens.items()}}
+        return {
+            "generators": {
+                k: base64.b64encode(g.get_state().numpy().tobytes()).decode() for k, g in self.gens.items()
+            }
+        }
 
     def load_state_dict(self, state) -> None:
         for k, g in self.gens.items():
-            g.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generators"][k])), dtype=torch.uint8))
+            g.set_state(
+                torch.frombuffer(bytearray(base64.b64decode(state["generators"][k])), dtype=torch.uint8)
+            )
 
 
 @dataclass
 class Trainer:
     """One rank's training run: its components and where it stands."""
+
     opts: TrainOptions
     cfg: Config
     dist: Dist
@@ -86,26 +93,42 @@ class Trainer:
         raise_together(self, (lambda: None) if self.opts.replay else self.m.check_fence)
         state = ckpt.TrainerState.collect(self.states, self.dist.gather_obj)
         if self.dist.rank == 0:
-            ckpt.save_checkpoint(self.opts.out, self.step, write_drafter=self.model.write_drafter, state=state,
-                                 keep=self.cfg.train.keep_checkpoints)
+            ckpt.save_checkpoint(
+                self.opts.out,
+                self.step,
+                write_drafter=self.model.write_drafter,
+                state=state,
+                keep=self.cfg.train.keep_checkpoints,
+            )
         self.dist.barrier()
         self.ledger.checkpoint_done(self.step)
 
     # -- the run's own part of a checkpoint (train.checkpoint.Stateful) -----------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "total_steps": self.total_steps, "manifest_id": self.m.manifest_id,
-                "mode": "replay" if self.opts.replay else "live", "world": self.dist.world,
-                "config": self.cfg.to_dict(), "time": time.time(), "chat": self.m.meta.get("chat")}
+        return {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "manifest_id": self.m.manifest_id,
+            "mode": "replay" if self.opts.replay else "live",
+            "world": self.dist.world,
+            "config": self.cfg.to_dict(),
+            "time": time.time(),
+            "chat": self.m.meta.get("chat"),
+        }
 
     def load_state_dict(self, state) -> None:
         """Refuse a checkpoint of another manifest or number of ranks; continue its step count."""
         where = getattr(state, "path", "")
         if state["manifest_id"] != self.m.manifest_id:
-            raise DflashError(f"checkpoint {where} belongs to manifest {state['manifest_id']}, not "
-                              f"{self.m.address} ({self.m.manifest_id}); use a new --out for this manifest")
+            raise DflashError(
+                f"checkpoint {where} belongs to manifest {state['manifest_id']}, not "
+                f"{self.m.address} ({self.m.manifest_id}); use a new --out for this manifest"
+            )
         if state.get("world", 1) != self.dist.world:
-            raise DflashError(f"checkpoint {where} was written by {state.get('world', 1)} rank(s), this run has "
-                              f"{self.dist.world}; resume with the same number of trainer ranks")
+            raise DflashError(
+                f"checkpoint {where} was written by {state.get('world', 1)} rank(s), this run has "
+                f"{self.dist.world}; resume with the same number of trainer ranks"
+            )
         self.step = int(state["step"])
         if self.opts.total_steps is None:
             self.total_steps = int(state["total_steps"])  # the schedule continues as it began
@@ -120,7 +143,11 @@ class Trainer:
                     self.store.cleanup_temp(claimed=self.m.holds_claim, unwanted=self.m.shard_unwanted)
                 self.m.unregister_me("train")
             except DflashError as e:  # the manifest's server is gone: its lease lets the registration lapse
-                print(f"train: warning: could not unregister from {self.m.address}: {e}", file=sys.stderr, flush=True)
+                print(
+                    f"train: warning: could not unregister from {self.m.address}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.m.close()
         self.metrics.close()
         self.progress.close()
@@ -129,9 +156,11 @@ class Trainer:
     def _plot(self) -> None:
         """RUN_DIR/metrics.png, when matplotlib is installed (best effort: never fails the run)."""
         import importlib.util
+
         if importlib.util.find_spec("matplotlib") is None:
             return
         from dflash_staged.train.curves import plot_metrics
+
         try:
             plot_metrics(self.opts.out)
         except Exception as e:  # noqa: BLE001 - a picture is not worth a failed run
@@ -147,10 +176,14 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     m = Manifest.open(opts.manifest, readonly=opts.replay)
     cfg = inputs.run_config(m, opts)
     opts.out.mkdir(parents=True, exist_ok=True)
-    if dist.rank == 0:  # the one writer of checkpoints (on a shared filesystem, ranks of other nodes see them too)
+    if (
+        dist.rank == 0
+    ):  # the one writer of checkpoints (on a shared filesystem, ranks of other nodes see them too)
         ckpt.cleanup_tmp(opts.out)
     if not opts.replay:
-        m.register("train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)})
+        m.register(
+            "train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)}
+        )
         inputs.check_window(m, cfg, dist.world)
     store = inputs.wait_for_store(opts, m)
     if not opts.replay and dist.rank == 0:
@@ -165,17 +198,32 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     else:
         source = LiveSource(m, store, dist.group_id, dist.rank)
         natural = -(-sum(m.counts().values()) // world_steps)
-    t = Trainer(opts=opts, cfg=cfg, dist=dist, m=m, store=store, model=model,
-                optim=Optimizer(model.params, cfg.train, dist), source=source,
-                buffer=ShardBuffer(store, cfg.train.buffer_capacity, verify=opts.verify),
-                ledger=Ledger(m, store, live=not opts.replay, rank=dist.rank, keep_shards=opts.keep_shards),
-                metrics=MetricsLog(opts.out, enabled=dist.rank == 0, tensorboard=opts.tensorboard),
-                progress=Progress(0, enabled=dist.rank == 0),
-                draw_gen=torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17 + dist.rank),
-                total_steps=opts.total_steps or natural)
-    t.states = {"trainer": t, "model": t.model, "optim": t.optim, "ledger": t.ledger, "source": t.source,
-                "buffer": t.buffer, "rng": Generators(draw=t.draw_gen, anchor=t.model.anchor_gen),
-                **(extra_states or {})}
+    t = Trainer(
+        opts=opts,
+        cfg=cfg,
+        dist=dist,
+        m=m,
+        store=store,
+        model=model,
+        optim=Optimizer(model.params, cfg.train, dist),
+        source=source,
+        buffer=ShardBuffer(store, cfg.train.buffer_capacity, verify=opts.verify),
+        ledger=Ledger(m, store, live=not opts.replay, rank=dist.rank, keep_shards=opts.keep_shards),
+        metrics=MetricsLog(opts.out, enabled=dist.rank == 0, tensorboard=opts.tensorboard),
+        progress=Progress(0, enabled=dist.rank == 0),
+        draw_gen=torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17 + dist.rank),
+        total_steps=opts.total_steps or natural,
+    )
+    t.states = {
+        "trainer": t,
+        "model": t.model,
+        "optim": t.optim,
+        "ledger": t.ledger,
+        "source": t.source,
+        "buffer": t.buffer,
+        "rng": Generators(draw=t.draw_gen, anchor=t.model.anchor_gen),
+        **(extra_states or {}),
+    }
     resume(t)
     t.progress.total = t.total_steps
     return t
@@ -188,9 +236,11 @@ def resume(t: Trainer) -> None:
     if latest is None:
         c = m.counts()
         if not opts.replay and (c["released"] or c["kept"]):
-            raise DflashError(f"{m.address} was already partly trained ({c['released'] + c['kept']} shards consumed "
-                              f"and released) by a run whose checkpoints are not in {opts.out}; rerun with that "
-                              "run's --out to resume it, or plan a new manifest")
+            raise DflashError(
+                f"{m.address} was already partly trained ({c['released'] + c['kept']} shards consumed "
+                f"and released) by a run whose checkpoints are not in {opts.out}; rerun with that "
+                "run's --out to resume it, or plan a new manifest"
+            )
     else:
         ckpt.load_checkpoint(latest).restore(t.states, dist.rank)
     t.ledger.reconcile()

@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from dflash_staged.manifest import Manifest
+
 from helpers import start
 from rel_helpers import hooked_env, scan_store
 
@@ -55,9 +56,23 @@ class Report:
 
 
 class Chaos:
-    def __init__(self, tmp: Path, mdir: Path, store: Path, run_dir: Path, *, seed: int, kills: int, window: int,
-                 crash_train: dict | None = None, crash_extract: dict | None = None, timeout_s: float = 600,
-                 shard_bytes_max: int = 0, nproc: int = 1, kinds: tuple = KINDS):
+    def __init__(
+        self,
+        tmp: Path,
+        mdir: Path,
+        store: Path,
+        run_dir: Path,
+        *,
+        seed: int,
+        kills: int,
+        window: int,
+        crash_train: dict | None = None,
+        crash_extract: dict | None = None,
+        timeout_s: float = 600,
+        shard_bytes_max: int = 0,
+        nproc: int = 1,
+        kinds: tuple = KINDS,
+    ):
         self.tmp, self.mdir, self.store, self.run_dir = tmp, mdir, store, run_dir
         self.nproc = nproc
         self.seen_ranks: set[int] = set()
@@ -66,10 +81,16 @@ class Chaos:
         self.target_kills, self.window, self.timeout_s = kills, window, timeout_s
         self.shard_bytes_max = shard_bytes_max
         self.crash_log = tmp / "crashes.log"
-        self.env_train = hooked_env(crash=crash_train, crash_log=str(self.crash_log), seed=seed) \
-            if crash_train else hooked_env()
-        self.env_extract = hooked_env(crash=crash_extract, crash_log=str(self.crash_log), seed=seed) \
-            if crash_extract else hooked_env()
+        self.env_train = (
+            hooked_env(crash=crash_train, crash_log=str(self.crash_log), seed=seed)
+            if crash_train
+            else hooked_env()
+        )
+        self.env_extract = (
+            hooked_env(crash=crash_extract, crash_log=str(self.crash_log), seed=seed)
+            if crash_extract
+            else hooked_env()
+        )
         self.trainer: subprocess.Popen | None = None
         self.trainer_started = 0.0
         self.trainer_done = False
@@ -86,13 +107,29 @@ class Chaos:
     # ------------------------------------------------------------------ processes
     def start_trainer(self) -> None:
         ranks = ["--nproc", self.nproc, "--device", "cpu"] if self.nproc > 1 else []
-        self.trainer = start(["train", "--manifest", self.mdir, "--store", self.store, "--out", self.run_dir,
-                              *ranks], self.tmp / "train.log", self.env_train)
+        self.trainer = start(
+            ["train", "--manifest", self.mdir, "--store", self.store, "--out", self.run_dir, *ranks],
+            self.tmp / "train.log",
+            self.env_train,
+        )
         self.trainer_started = time.time()
 
     def start_extract(self, n: int) -> None:
-        p = start(["extract", "--manifest", self.mdir, "--store", self.store, "--devices", ",".join(["cpu"] * n),
-                   "--window", self.window], self.tmp / "extract.log", self.env_extract)
+        p = start(
+            [
+                "extract",
+                "--manifest",
+                self.mdir,
+                "--store",
+                self.store,
+                "--devices",
+                ",".join(["cpu"] * n),
+                "--window",
+                self.window,
+            ],
+            self.tmp / "extract.log",
+            self.env_extract,
+        )
         self.extracts.append((p, n, time.time()))
 
     def workers(self) -> list[psutil.Process]:
@@ -131,8 +168,11 @@ class Chaos:
             if p.poll() is not None:
                 continue
             try:
-                kids = [c for c in psutil.Process(p.pid).children()
-                        if "spawn_main" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE]
+                kids = [
+                    c
+                    for c in psutil.Process(p.pid).children()
+                    if "spawn_main" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE
+                ]
             except psutil.NoSuchProcess:
                 continue
             n += len(kids) if time.time() - t0 > 15 or kids else k
@@ -141,14 +181,19 @@ class Chaos:
     # ------------------------------------------------------------------ the loop
     def run(self) -> Report:
         t0 = time.time()
-        print(f"chaos: seed {self.report.seed} (replay with DFLASH_CHAOS_SEED={self.report.seed}), "
-              f"{self.target_kills} kills, {self.total} jobs, window {self.window}", flush=True)
+        print(
+            f"chaos: seed {self.report.seed} (replay with DFLASH_CHAOS_SEED={self.report.seed}), "
+            f"{self.target_kills} kills, {self.total} jobs, window {self.window}",
+            flush=True,
+        )
         self.start_extract(2)
         self.start_trainer()
         try:
             while True:
                 if time.time() - t0 > self.timeout_s:
-                    raise TimeoutError(f"chaos run (seed {self.report.seed}) did not finish in {self.timeout_s}s")
+                    raise TimeoutError(
+                        f"chaos run (seed {self.report.seed}) did not finish in {self.timeout_s}s"
+                    )
                 self.sample()
                 self.workers()  # remember every worker pid, to check for orphans at the end
                 self.ranks()
@@ -201,8 +246,9 @@ class Chaos:
             entries = min(entries, len(again["published"]) + len(again["temps"]))
             nbytes = min(scan["bytes"], again["bytes"])
             if entries > self.window + slack:
-                r.violations.append(f"{entries} shard entries on disk > window {self.window} + {slack} "
-                                    "crash leftovers")
+                r.violations.append(
+                    f"{entries} shard entries on disk > window {self.window} + {slack} crash leftovers"
+                )
             if over_bytes and nbytes > over_bytes:
                 r.violations.append(f"store holds {nbytes} bytes > ({self.window} + {slack}) shards")
 
@@ -216,14 +262,18 @@ class Chaos:
                 self.report.restarts["trainer"] += 1
                 self.start_trainer()
             else:
-                raise AssertionError(f"trainer exited with {rc} (seed {self.report.seed}); see {self.tmp}/train.log")
+                raise AssertionError(
+                    f"trainer exited with {rc} (seed {self.report.seed}); see {self.tmp}/train.log"
+                )
         live = []
         for p, n, t in self.extracts:
             if p.poll() is None:
                 live.append((p, n, t))
             elif p.returncode not in (0, 2, -signal.SIGKILL):
-                raise AssertionError(f"extract exited with {p.returncode} (seed {self.report.seed}); "
-                                     f"see {self.tmp}/extract.log")
+                raise AssertionError(
+                    f"extract exited with {p.returncode} (seed {self.report.seed}); "
+                    f"see {self.tmp}/extract.log"
+                )
         self.extracts = live
         if self.trainer_done:
             return not self.extracts
@@ -263,7 +313,11 @@ class Chaos:
 
     def candidates(self, kind: str, now: float, min_age: float) -> list[int]:
         if kind == "trainer":
-            ok = self.trainer is not None and self.trainer.poll() is None and now - self.trainer_started >= min_age
+            ok = (
+                self.trainer is not None
+                and self.trainer.poll() is None
+                and now - self.trainer_started >= min_age
+            )
             return [self.trainer.pid] if ok else []
         if kind == "supervisor":
             return [p.pid for p, _, t in self.extracts if p.poll() is None and now - t >= min_age]

@@ -13,9 +13,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 from dflash_staged.fsutil import dir_bytes
 from dflash_staged.manifest import Manifest
+from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
+
 from helpers import env, status
 
 HOOKS_DIR = Path(__file__).resolve().parent / "hooks"
@@ -83,6 +84,7 @@ def assert_fed_as_planned(mdir, lines: list[dict]) -> None:
     import numpy as np
 
     from dflash_staged.train.ledger import token_digest
+
     with Manifest.open(mdir, readonly=True) as m:
         jobs = {j.id: j for j in m.jobs()}
         for x in lines:

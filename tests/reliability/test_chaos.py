@@ -17,11 +17,12 @@ import time
 
 import pytest
 
-from chaos import Chaos
-from pgcluster import BOTH, PG_SLOW
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.dims import target_dims
+
+from chaos import Chaos
 from helpers import plan, run, start, write_config, write_dataset
+from pgcluster import BOTH, PG_SLOW
 from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
 
 EXTRA = "[data]\ntoken_budget = 512\n"
@@ -42,19 +43,38 @@ def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float, mani
     seed = int(os.environ.get("DFLASH_CHAOS_SEED") or random.SystemRandom().randrange(2**31))
     mdir = plan(tmp_path, n, epochs, extra=EXTRA, manifest=manifest)
     store, run_dir = tmp_path / "store", tmp_path / "run"
-    ddp = {"nproc": nproc, "kinds": ("trainer",), "crash_train": None} if nproc > 1 \
+    ddp = (
+        {"nproc": nproc, "kinds": ("trainer",), "crash_train": None}
+        if nproc > 1
         else {"crash_train": CRASH_TRAIN}
-    chaos = Chaos(tmp_path, mdir, store, run_dir, seed=seed, kills=kills, window=WINDOW, timeout_s=timeout_s,
-                  crash_extract=CRASH_EXTRACT, shard_bytes_max=max_shard_bytes(mdir), **ddp)
+    )
+    chaos = Chaos(
+        tmp_path,
+        mdir,
+        store,
+        run_dir,
+        seed=seed,
+        kills=kills,
+        window=WINDOW,
+        timeout_s=timeout_s,
+        crash_extract=CRASH_EXTRACT,
+        shard_bytes_max=max_shard_bytes(mdir),
+        **ddp,
+    )
     r = chaos.run()
     kinds = {}
     for _, kind, _ in r.kills:
         kinds[kind] = kinds.get(kind, 0) + 1
-    print(f"chaos seed {seed}: {len(r.kills)} kills {kinds} + {len(r.crashes)} crash-point kills "
-          f"{sorted(p for p, _ in r.crashes)}; restarts {r.restarts}; {r.samples} samples, max window "
-          f"{r.max_window}/{WINDOW}, max shard entries on disk {r.max_entries}, max store bytes {r.max_bytes}; "
-          f"{r.wall_s:.0f}s", flush=True)
-    logs = "".join((tmp_path / f).read_text() for f in ("train.log", "extract.log") if (tmp_path / f).exists())
+    print(
+        f"chaos seed {seed}: {len(r.kills)} kills {kinds} + {len(r.crashes)} crash-point kills "
+        f"{sorted(p for p, _ in r.crashes)}; restarts {r.restarts}; {r.samples} samples, max window "
+        f"{r.max_window}/{WINDOW}, max shard entries on disk {r.max_entries}, max store bytes {r.max_bytes}; "
+        f"{r.wall_s:.0f}s",
+        flush=True,
+    )
+    logs = "".join(
+        (tmp_path / f).read_text() for f in ("train.log", "extract.log") if (tmp_path / f).exists()
+    )
     assert "Traceback" not in logs, f"seed {seed}: a traceback in the logs:\n{logs[-4000:]}"
     errors = [x for x in logs.splitlines() if re.match(r"(extract: worker \d+: |error: )", x)]
     assert not errors, f"seed {seed}: errors in the logs: {errors[:5]}"
@@ -83,15 +103,15 @@ def test_chaos_kill9_slow(tmp_path):
 def test_chaos_two_ranks_kill9(tmp_path, backend):
     """Two trainer ranks (gloo) beside extract; kill -9 of the whole trainer (launcher and ranks) three
     times, resumed each time: every job of every epoch trained once, with the tokens planned."""
-    chaos_case(tmp_path, kills=3, n=64, epochs=2, timeout_s=400, manifest=backend.address(tmp_path),
-               nproc=2)
+    chaos_case(tmp_path, kills=3, n=64, epochs=2, timeout_s=400, manifest=backend.address(tmp_path), nproc=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BOTH, indirect=True)
 def test_chaos_two_ranks_kill9_slow(tmp_path, backend):
-    chaos_case(tmp_path, kills=10, n=64, epochs=3, timeout_s=1200, manifest=backend.address(tmp_path),
-               nproc=2)
+    chaos_case(
+        tmp_path, kills=10, n=64, epochs=3, timeout_s=1200, manifest=backend.address(tmp_path), nproc=2
+    )
 
 
 def test_killed_writer_leftovers_removed(tmp_path):
@@ -118,8 +138,20 @@ def test_workers_exit_when_supervisor_dies_during_their_startup(tmp_path):
     import psutil
 
     mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA)
-    p = start(["extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu,cpu", "--window", 64],
-              tmp_path / "extract.log")
+    p = start(
+        [
+            "extract",
+            "--manifest",
+            mdir,
+            "--store",
+            tmp_path / "store",
+            "--devices",
+            "cpu,cpu",
+            "--window",
+            64,
+        ],
+        tmp_path / "extract.log",
+    )
     kids: list = []
     deadline = time.time() + 60
     while len(kids) < 2 and time.time() < deadline:  # kill the supervisor as soon as both workers are spawned
@@ -142,8 +174,10 @@ def test_cleanup_treats_zombie_writers_as_dead(tmp_path):
 
     from dflash_staged.store import ShardStore, StoreMeta
 
-    store = ShardStore.create_or_open(tmp_path / "store", StoreMeta(manifest_id="m", target_id="t", layer_ids=[1],
-                                                                    hidden_size=4, logical_dtype="float32"))
+    store = ShardStore.create_or_open(
+        tmp_path / "store",
+        StoreMeta(manifest_id="m", target_id="t", layer_ids=[1], hidden_size=4, logical_dtype="float32"),
+    )
     zombie = subprocess.Popen(["true"])  # exits at once; not waited for, so it stays a zombie
     deadline = time.time() + 10
     while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
@@ -182,8 +216,13 @@ def test_a_worker_killed_mid_report_does_not_hang_the_others(tmp_path):
     never exit (Python joins a queue's feeder thread at exit): extract ran forever (seen in chaos)."""
     mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA)
     store = tmp_path / "store"
-    r = run(["extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--window", 64],
-            hooked_env(die_holding_status_lock=True), timeout=120)
-    assert r.returncode in (0, 2) and "worker 0 (cpu" in r.stderr and "exit code -9" in r.stderr, r.stdout + r.stderr
+    r = run(
+        ["extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--window", 64],
+        hooked_env(die_holding_status_lock=True),
+        timeout=120,
+    )
+    assert r.returncode in (0, 2) and "worker 0 (cpu" in r.stderr and "exit code -9" in r.stderr, (
+        r.stdout + r.stderr
+    )
     with Manifest.open(mdir, readonly=True) as m:
         assert m.counts()["written"] == sum(m.counts().values())  # worker 1 extracted everything, then left

@@ -20,11 +20,11 @@ import torch
 
 from dflash_staged.manifest import Manifest, TrainerBusyError
 from dflash_staged.store import ShardStore
-from helpers import ROOT, plan
-from helpers import run, start
+
+from dflash_fault_hooks import expected_hidden  # on sys.path via conftest.py
+from helpers import ROOT, plan, run, start
 from pgcluster import PG_SLOW
 from rel_helpers import hooked_env
-from dflash_fault_hooks import expected_hidden  # noqa: E402 - on sys.path via rel_helpers
 
 WINDOW = 12
 HIDDEN = 8
@@ -41,13 +41,24 @@ def check_shard(store: ShardStore, m: Manifest, job) -> None:
     assert torch.equal(shard.hidden, expected_hidden(ids, len(m.meta["layer_ids"]), HIDDEN))
 
 
-@pytest.mark.parametrize("backend", PG_SLOW, indirect=True)  # default suite: test_manifest's 8 claimers, test_multihost
+@pytest.mark.parametrize(
+    "backend", PG_SLOW, indirect=True
+)  # default suite: test_manifest's 8 claimers, test_multihost
 def test_eight_extract_processes_write_every_job_exactly_once(tmp_path, backend):
-    mdir, store_dir = plan(tmp_path, n=160, epochs=2, extra=EXTRA, manifest=backend.address(tmp_path)), tmp_path / "store"
+    mdir, store_dir = (
+        plan(tmp_path, n=160, epochs=2, extra=EXTRA, manifest=backend.address(tmp_path)),
+        tmp_path / "store",
+    )
     log = tmp_path / "commits.log"
     environ = hooked_env(fake_target={"hidden": HIDDEN, "delay_s": 0.05}, commit_log=str(log))
-    procs = [start(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", WINDOW],
-                   tmp_path / f"extract{i}.log", environ) for i in range(8)]
+    procs = [
+        start(
+            ["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", WINDOW],
+            tmp_path / f"extract{i}.log",
+            environ,
+        )
+        for i in range(8)
+    ]
     m = Manifest.open(mdir)
     total = sum(m.counts().values())
     assert total > 3 * WINDOW
@@ -109,7 +120,9 @@ def test_second_trainer_refused_naming_the_first(tmp_path, backend):
         assert a.poll() is None, "the first trainer was disturbed"
         a.send_signal(signal.SIGKILL)  # a dead trainer's registration does not block the next one
         a.wait()
-        b = start(["train", "--manifest", mdir, "--store", store, "--out", tmp_path / "b"], tmp_path / "b.log")
+        b = start(
+            ["train", "--manifest", mdir, "--store", store, "--out", tmp_path / "b"], tmp_path / "b.log"
+        )
         try:
             t0 = time.time()
             while not [p for p in m.live_procs("train") if p.pid == b.pid]:
@@ -138,8 +151,9 @@ time.sleep(600)
 
 def test_ranks_of_one_ddp_job_share_the_manifest(tmp_path):
     mdir = plan(tmp_path, n=12, epochs=1, extra=EXTRA)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(mdir), "job-1"], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(mdir), "job-1"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "registered"
         with Manifest.open(mdir) as m:

@@ -22,16 +22,26 @@ import pytest
 
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
-from helpers import run, start, status
+
+from helpers import plan, run, start, status
 from rel_helpers import assert_all_released_and_clean, assert_exactly_once
-from helpers import plan
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 # kind -> the ShardError subclass the read must raise
-KINDS = {"flip_hidden": "ShardCorruptError", "flip_ids": "ShardCorruptError", "flip_cu": "ShardCorruptError",
-         "truncate": "ShardTruncatedError", "empty_chunk": "ShardTruncatedError", "append": "ShardCorruptError",
-         "delete_dir": "ShardMissingError", "delete_chunk": "ShardTruncatedError", "garbage_meta": "ShardCorruptError",
-         "no_meta": "ShardCorruptError", "other_job": "ShardCorruptError", "edit_digest": "ShardCorruptError"}
+KINDS = {
+    "flip_hidden": "ShardCorruptError",
+    "flip_ids": "ShardCorruptError",
+    "flip_cu": "ShardCorruptError",
+    "truncate": "ShardTruncatedError",
+    "empty_chunk": "ShardTruncatedError",
+    "append": "ShardCorruptError",
+    "delete_dir": "ShardMissingError",
+    "delete_chunk": "ShardTruncatedError",
+    "garbage_meta": "ShardCorruptError",
+    "no_meta": "ShardCorruptError",
+    "other_job": "ShardCorruptError",
+    "edit_digest": "ShardCorruptError",
+}
 
 
 def chunk(d, name):
@@ -83,8 +93,9 @@ def wait_for(cond, timeout: float, what: str, procs=()):
         time.sleep(0.05)
 
 
-def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_rounds: int, seed: int,
-                    manifest=None):
+def corruption_case(
+    tmp_path, n: int, epochs: int, before: int | None, during_rounds: int, seed: int, manifest=None
+):
     rng = random.Random(seed)
     print(f"corruption seed {seed}", flush=True)
     mdir = plan(tmp_path, n, epochs, extra=EXTRA, manifest=manifest)
@@ -121,15 +132,23 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_ro
     procs = [tr]
     try:
         wait_for(lambda: m.live_procs("train"), 120, "the trainer to register", procs)
-        ex = start(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", 1000],
-                   tmp_path / "extract.log")
+        ex = start(
+            ["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", 1000],
+            tmp_path / "extract.log",
+        )
         procs.append(ex)
         metrics = run_dir / "metrics.jsonl"
         for round_ in range(during_rounds):
             # let the trainer make progress, then pause it and damage shards it has not admitted yet
             steps = 2 * (round_ + 1)
-            wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps or tr.poll() == 0,
-                     180, f"{steps} training steps", procs)
+            wait_for(
+                lambda steps=steps: (
+                    metrics.exists() and len(metrics.read_text().splitlines()) >= steps or tr.poll() == 0
+                ),
+                180,
+                f"{steps} training steps",
+                procs,
+            )
             if tr.poll() is not None:
                 break
             tr.send_signal(signal.SIGSTOP)
@@ -137,8 +156,11 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_ro
                 requeued = [e["job"] for e in m.events("requeue")]
                 # written and not admitted, with every earlier damage detected (a re-extracted shard may
                 # be damaged again)
-                untaken = [j for j in m.jobs("written") if j.taken_by is None
-                           and requeued.count(j.id) == len(damaged.get(j.id, []))]
+                untaken = [
+                    j
+                    for j in m.jobs("written")
+                    if j.taken_by is None and requeued.count(j.id) == len(damaged.get(j.id, []))
+                ]
                 for job in rng.sample(untaken, min(2, len(untaken))):
                     kind = rng.choice(kinds)
                     corrupt(store, job, kind, rng, pristine)
@@ -161,7 +183,9 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_ro
         assert len(mine) == len(kinds_done), f"job {job_id} ({kinds_done}) was detected {len(mine)} times"
         for kind, detail in zip(kinds_done, mine):
             assert detail.startswith(KINDS[kind]), (kind, detail)
-        assert m.job(job_id).attempts == 1 + len(kinds_done), f"job {job_id} ({kinds_done}) was not re-extracted"
+        assert m.job(job_id).attempts == 1 + len(kinds_done), (
+            f"job {job_id} ({kinds_done}) was not re-extracted"
+        )
     assert {e["job"] for e in events} == set(damaged), "an undamaged shard failed verification"
     st = status(mdir)
     assert sum(st["requeued"].values()) == len(events)
@@ -169,8 +193,11 @@ def corruption_case(tmp_path, n: int, epochs: int, before: int | None, during_ro
     assert_all_released_and_clean(mdir, store_dir, run_dir)
     m.close()
     n = sum(map(len, damaged.values()))
-    print(f"corruption seed {seed}: {n} damaged shards ({len(damaged)} jobs) detected and re-extracted: "
-          f"{sorted(k for ks in damaged.values() for k in ks)}", flush=True)
+    print(
+        f"corruption seed {seed}: {n} damaged shards ({len(damaged)} jobs) detected and re-extracted: "
+        f"{sorted(k for ks in damaged.values() for k in ks)}",
+        flush=True,
+    )
     return damaged
 
 
@@ -183,9 +210,15 @@ def _dead_pid() -> int:
 def test_corruption_detected_and_reextracted(tmp_path, backend):
     # every shard damaged before training: the trainer's first draws all fail verification and it must
     # wait for re-extraction (regression: it took the empty step for "drained" and exited 0 untrained)
-    corruption_case(tmp_path, n=40, epochs=2, before=None, during_rounds=2,
-                    seed=int(os.environ.get("DFLASH_CORRUPT_SEED") or random.SystemRandom().randrange(2**31)),
-                    manifest=backend.address(tmp_path))
+    corruption_case(
+        tmp_path,
+        n=40,
+        epochs=2,
+        before=None,
+        during_rounds=2,
+        seed=int(os.environ.get("DFLASH_CORRUPT_SEED") or random.SystemRandom().randrange(2**31)),
+        manifest=backend.address(tmp_path),
+    )
 
 
 def test_damaged_shard_found_by_a_trainer_started_just_after_extract(tmp_path):
@@ -199,8 +232,10 @@ def test_damaged_shard_found_by_a_trainer_started_just_after_extract(tmp_path):
     m = Manifest.open(mdir, readonly=True)
     job = m.jobs()[len(m.jobs()) // 2]
     corrupt(ShardStore.open(store_dir), job, "flip_hidden", random.Random(0), {})
-    ex = start(["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", 1000],
-               tmp_path / "extract.log")
+    ex = start(
+        ["extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu", "--window", 1000],
+        tmp_path / "extract.log",
+    )
     time.sleep(1)
     tr = start(["train", "--manifest", mdir, "--store", store_dir, "--out", run_dir], tmp_path / "train.log")
     try:
@@ -222,5 +257,11 @@ def test_damaged_shard_found_by_a_trainer_started_just_after_extract(tmp_path):
 
 @pytest.mark.slow
 def test_corruption_many(tmp_path):
-    corruption_case(tmp_path, n=120, epochs=3, before=3 * len(KINDS), during_rounds=6,
-                    seed=int(os.environ.get("DFLASH_CORRUPT_SEED") or random.SystemRandom().randrange(2**31)))
+    corruption_case(
+        tmp_path,
+        n=120,
+        epochs=3,
+        before=3 * len(KINDS),
+        during_rounds=6,
+        seed=int(os.environ.get("DFLASH_CORRUPT_SEED") or random.SystemRandom().randrange(2**31)),
+    )

@@ -18,24 +18,28 @@ import torch
 import dflash_staged.store.shardfiles as shardfiles
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore, StoreFullError, StoreMeta
-from helpers import plan
-from pgcluster import PG_SLOW
-from helpers import run, status
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
 
+from helpers import plan, run, status
+from pgcluster import PG_SLOW
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 
 
 def extract(mdir, store, environ=None, devices="cpu,cpu"):
-    return run(["extract", "--manifest", mdir, "--store", store, "--devices", devices, "--window", 64], environ)
+    return run(
+        ["extract", "--manifest", mdir, "--store", store, "--devices", devices, "--window", 64], environ
+    )
 
 
 def assert_consistent_after_full(mdir, store, r):
     assert r.returncode == 3, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    msgs = re.findall(r"no space left on the disk of shard store (\S+) while (?:writing shard e\d+/j\d+ \((\d+) bytes "
-                      r"needed\)|creating it)", r.stderr)
+    msgs = re.findall(
+        r"no space left on the disk of shard store (\S+) while (?:writing shard e\d+/j\d+ \((\d+) bytes "
+        r"needed\)|creating it)",
+        r.stderr,
+    )
     assert msgs, r.stderr
     assert all(path == str(store) for path, _ in msgs), msgs
     st = status(mdir)
@@ -45,7 +49,9 @@ def assert_consistent_after_full(mdir, store, r):
     assert scan["temps"] == [], scan["temps"]
     with Manifest.open(mdir, readonly=True) as m:
         written = {(j.epoch, j.id): j for j in m.jobs("written")}
-        assert sorted(scan["published"]) == sorted(written), "a shard on disk is not marked written (or vice versa)"
+        assert sorted(scan["published"]) == sorted(written), (
+            "a shard on disk is not marked written (or vice versa)"
+        )
         if written:
             s = ShardStore.open(store)
             for j in written.values():
@@ -95,6 +101,7 @@ def _meta():
 def _full_disk(monkeypatch):
     def write(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(shardfiles, "_os_write", write)
 
 
@@ -103,9 +110,18 @@ def test_full_disk_when_creating_store_or_epoch_is_store_full_error(tmp_path, mo
     (a traceback, and the job counted as a write error towards `failed`)."""
     store = ShardStore.create_or_open(tmp_path / "store", _meta())
     _full_disk(monkeypatch)
-    with pytest.raises(StoreFullError, match=r"shard store .*store while writing shard e7/j3 \(\d+ bytes needed\)"):
-        store.stage_shard(7, 3, torch.zeros(5, 2, 4), torch.arange(5) + 4, torch.ones(5), torch.tensor([0, 5]),
-                          torch.tensor([0]))
+    with pytest.raises(
+        StoreFullError, match=r"shard store .*store while writing shard e7/j3 \(\d+ bytes needed\)"
+    ):
+        store.stage_shard(
+            7,
+            3,
+            torch.zeros(5, 2, 4),
+            torch.arange(5) + 4,
+            torch.ones(5),
+            torch.tensor([0, 5]),
+            torch.tensor([0]),
+        )
     assert scan_store(tmp_path / "store")["temps"] == []
     with pytest.raises(StoreFullError, match="while creating it"):
         ShardStore.create_or_open(tmp_path / "store2", _meta())
@@ -127,8 +143,10 @@ def test_checkpoint_on_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1, r.stderr
-    want = (rf"no space left on the disk of checkpoint directory {re.escape(str(run_dir / 'checkpoints'))} "
-            r"while writing checkpoint step_\d{8} \((\d+) bytes needed, \d+ free\)")
+    want = (
+        rf"no space left on the disk of checkpoint directory {re.escape(str(run_dir / 'checkpoints'))} "
+        r"while writing checkpoint step_\d{8} \((\d+) bytes needed, \d+ free\)"
+    )
     found = re.search(want, errors[0])
     assert found and int(found.group(1)) > 0, errors[0]
     assert list((run_dir / "checkpoints").iterdir()) == [], "a half-written checkpoint was left"

@@ -14,6 +14,7 @@ import pytest
 from dflash_staged.config import load_config
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.window import window_check
+
 from helpers import TINY, plan, run, start
 from rel_helpers import assert_all_released_and_clean, assert_exactly_once
 
@@ -46,8 +47,21 @@ def test_one_bucket_small_window_is_refused(tmp_path):
         assert {j.bucket for j in m.jobs()} == {0}
     r = run(["extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu", "--window", 3])
     _refused(r, "--window 3")
-    r = run(["extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu", "--window", 7,
-             "--train-ranks", 2])
+    r = run(
+        [
+            "extract",
+            "--manifest",
+            mdir,
+            "--store",
+            tmp_path / "store",
+            "--devices",
+            "cpu",
+            "--window",
+            7,
+            "--train-ranks",
+            2,
+        ]
+    )
     _refused(r, "at least 8")
     with Manifest.open(mdir, readonly=True) as m:
         assert m.counts()["pending"] == sum(m.counts().values())  # refused before any claim
@@ -55,8 +69,21 @@ def test_one_bucket_small_window_is_refused(tmp_path):
 
 def test_window_bytes_below_the_buffers_is_refused(tmp_path):
     mdir = plan(tmp_path, n=40, extra=ONE_BUCKET)
-    r = run(["extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu", "--window", 64,
-             "--window-bytes", "64K"])
+    r = run(
+        [
+            "extract",
+            "--manifest",
+            mdir,
+            "--store",
+            tmp_path / "store",
+            "--devices",
+            "cpu",
+            "--window",
+            64,
+            "--window-bytes",
+            "64K",
+        ]
+    )
     line = _refused(r, "--window-bytes")
     assert "raise --window-bytes to at least" in line.lower()
     assert not (tmp_path / "store").exists()
@@ -68,8 +95,22 @@ def test_one_bucket_at_the_smallest_window_finishes(tmp_path, nproc):
     mdir = plan(tmp_path, n=48, extra=ONE_BUCKET)
     store, out = tmp_path / "store", tmp_path / "run"
     window = 4 * nproc
-    ex = start(["extract", "--manifest", mdir, "--store", store, "--devices", "cpu", "--window", window,
-                "--train-ranks", nproc], tmp_path / "extract.log")
+    ex = start(
+        [
+            "extract",
+            "--manifest",
+            mdir,
+            "--store",
+            store,
+            "--devices",
+            "cpu",
+            "--window",
+            window,
+            "--train-ranks",
+            nproc,
+        ],
+        tmp_path / "extract.log",
+    )
     ranks = ["--nproc", nproc, "--device", "cpu"] if nproc > 1 else []
     tr = start(["train", "--manifest", mdir, "--store", store, "--out", out, *ranks], tmp_path / "train.log")
     deadline = time.time() + 300

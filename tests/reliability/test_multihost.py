@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dflash_staged.manifest import Manifest
+
 from helpers import plan, start
 from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
 
@@ -31,6 +32,7 @@ HIDDEN = 128  # the tiny target's: the trainer builds its drafter for it
 @pytest.fixture(scope="module")
 def hosts(pg):
     from multihost import make_hosts
+
     try:
         made = make_hosts(["host-a", "host-b"])
     except Exception as e:  # noqa: BLE001 - no root, no ip netns
@@ -64,10 +66,26 @@ class Run:
     def start(self) -> None:
         for name, h in self.hosts.items():
             env = hooked_env(fake_target={"hidden": HIDDEN, "delay_s": self.delay[name]})
-            self.procs[name] = h.start(["extract", "--manifest", h.url(self.pg, self.name), "--store", self.store,
-                                        "--devices", "cpu", "--window", WINDOW], self.tmp / f"{name}.log", env)
-        self.procs["train"] = start(["train", "--manifest", self.url, "--store", self.store, "--out", self.run_dir],
-                                    self.tmp / "train.log", hooked_env(fake_target={"hidden": HIDDEN}))
+            self.procs[name] = h.start(
+                [
+                    "extract",
+                    "--manifest",
+                    h.url(self.pg, self.name),
+                    "--store",
+                    self.store,
+                    "--devices",
+                    "cpu",
+                    "--window",
+                    WINDOW,
+                ],
+                self.tmp / f"{name}.log",
+                env,
+            )
+        self.procs["train"] = start(
+            ["train", "--manifest", self.url, "--store", self.store, "--out", self.run_dir],
+            self.tmp / "train.log",
+            hooked_env(fake_target={"hidden": HIDDEN}),
+        )
 
     def sample(self) -> dict:
         c = self.m.counts()
@@ -86,7 +104,9 @@ class Run:
             time.sleep(0.05)
 
     def finish(self, timeout: float = 300) -> None:
-        self.wait(lambda: all(p.poll() is not None for p in self.procs.values()), "the run to finish", timeout)
+        self.wait(
+            lambda: all(p.poll() is not None for p in self.procs.values()), "the run to finish", timeout
+        )
         assert self.procs["train"].returncode == 0, self.logs()[-4000:]
 
     def logs(self) -> str:
@@ -131,8 +151,10 @@ def test_extract_host_killed_whole(tmp_path, pg, hosts):
     run = Run(tmp_path, pg, hosts, {"host-a": 0.4, "host-b": 0.1})
     try:
         run.start()
-        run.wait(lambda: run.sample()["written"] + run.sample()["consumed"] >= 4 and run.claims_of("host-a"),
-                 "host-a to hold a claim mid-run")
+        run.wait(
+            lambda: run.sample()["written"] + run.sample()["consumed"] >= 4 and run.claims_of("host-a"),
+            "host-a to hold a claim mid-run",
+        )
         held = run.claims_of("host-a")
         assert hosts["host-a"].kill_all(), "no process on host-a"
         run.finish()
@@ -155,10 +177,17 @@ def test_extract_host_partitioned_then_back(tmp_path, pg, hosts):
         a.partition()
         try:
             # its leases expire, host-b redoes those jobs; meanwhile host-a finishes them and stages shards
-            run.wait(lambda: all(run.m.job(j).attempts > n and run.m.job(j).state != "claimed" for j, n in held.items()),
-                     "host-b to redo host-a's jobs")
-            run.wait(lambda: any(t.endswith("~host-a") for t in scan_store(run.store)["temps"]),
-                     "host-a to stage a shard while cut off", timeout=30)
+            run.wait(
+                lambda: all(
+                    run.m.job(j).attempts > n and run.m.job(j).state != "claimed" for j, n in held.items()
+                ),
+                "host-b to redo host-a's jobs",
+            )
+            run.wait(
+                lambda: any(t.endswith("~host-a") for t in scan_store(run.store)["temps"]),
+                "host-a to stage a shard while cut off",
+                timeout=30,
+            )
         finally:
             a.heal()
         run.finish()
@@ -176,7 +205,9 @@ def test_database_restarted_mid_run(tmp_path, pg, hosts):
     run = Run(tmp_path, pg, hosts, {"host-a": 0.2, "host-b": 0.2})
     try:
         run.start()
-        run.wait(lambda: run.sample()["released"] + run.sample()["consumed"] >= run.total // 3, "a third trained")
+        run.wait(
+            lambda: run.sample()["released"] + run.sample()["consumed"] >= run.total // 3, "a third trained"
+        )
         run.m.close()
         pg.restart()
         run.m = Manifest.open(run.url, readonly=True)
@@ -196,6 +227,7 @@ def test_trainer_ranks_on_two_nodes(tmp_path, pg):
     from helpers import ROOT
     from multihost import can_rename_host
     from pgcluster import free_port
+
     why = can_rename_host()
     if why:
         pytest.fail(why) if os.environ.get("DFLASH_REQUIRE_POSTGRES") == "1" else pytest.skip(why)
@@ -204,13 +236,45 @@ def test_trainer_ranks_on_two_nodes(tmp_path, pg):
     env = hooked_env(fake_target={"hidden": HIDDEN, "delay_s": 0.05})
     env["GLOO_SOCKET_IFNAME"] = "lo"  # the node names resolve nowhere: rendezvous on the loopback
     port = free_port()
-    procs = [start(["extract", "--manifest", url, "--store", store, "--devices", "cpu", "--window", WINDOW],
-                   tmp_path / "extract.log", env)]
+    procs = [
+        start(
+            ["extract", "--manifest", url, "--store", store, "--devices", "cpu", "--window", WINDOW],
+            tmp_path / "extract.log",
+            env,
+        )
+    ]
     for rank in (0, 1):
-        cmd = ["unshare", "--uts", "sh", "-c", f'hostname node-{rank} && exec "$0" "$@"', sys.executable, "-m",
-               "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "dflash_staged", "train", "--manifest",
-               url, "--store", str(store), "--out", str(run_dir), "--device", "cpu"]
+        cmd = [
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f'hostname node-{rank} && exec "$0" "$@"',
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "dflash_staged",
+            "train",
+            "--manifest",
+            url,
+            "--store",
+            str(store),
+            "--out",
+            str(run_dir),
+            "--device",
+            "cpu",
+        ]
         with open(tmp_path / f"node{rank}.log", "w") as f:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
     m = Manifest.open(url, readonly=True)

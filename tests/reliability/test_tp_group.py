@@ -24,7 +24,8 @@ import torch
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.target import load_target, pack_unpadded, pad_batch
 from dflash_staged.store import ShardStore
-from helpers import dflash, plan, run_dflash, write_dataset, write_config
+
+from helpers import dflash, plan, run_dflash, write_config, write_dataset
 from rel_helpers import assert_exactly_once, scan_store
 
 EXTRA = "[data]\ntoken_budget = 512\n"
@@ -52,8 +53,25 @@ def test_tp2_worker_and_trainer_side_by_side_exactly_once(tmp_path):
     data = write_dataset(tmp_path / "data.jsonl", n=24)
     cfg = write_config(tmp_path / "cfg.toml", EXTRA)
     work, summary = tmp_path / "w", tmp_path / "summary.json"
-    r = run_dflash("pipeline", "--config", cfg, "--data", data, "--workdir", work, "--devices", "cpu,cpu", "--tp", "2",
-                   "--keep-shards", "--summary-json", summary, "--status-every", "5", timeout=400)
+    r = run_dflash(
+        "pipeline",
+        "--config",
+        cfg,
+        "--data",
+        data,
+        "--workdir",
+        work,
+        "--devices",
+        "cpu,cpu",
+        "--tp",
+        "2",
+        "--keep-shards",
+        "--summary-json",
+        summary,
+        "--status-every",
+        "5",
+        timeout=400,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "Traceback" not in out and "--tp 2" in out
@@ -86,7 +104,9 @@ def _gone(pid: int) -> bool:
 def test_kill9_of_a_follower_stops_the_group_and_the_run_completes(tmp_path):
     mdir = plan(tmp_path, n=40, extra=EXTRA + '[target]\nmodel = "tiny:qwen3_moe"\n')
     store = tmp_path / "store"
-    p = dflash("extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--tp", "2", "--window", "64")
+    p = dflash(
+        "extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--tp", "2", "--window", "64"
+    )
     m = Manifest.open(mdir)
     seen: set[int] = set()
     victim = job = leader = None
@@ -105,7 +125,9 @@ def test_kill9_of_a_follower_stops_the_group_and_the_run_completes(tmp_path):
         time.sleep(0.05)
     out = p.communicate(timeout=60)[0]
     assert p.returncode == 0, out[-4000:]
-    assert f"rank 1 (pid {victim}) was killed (exit code -9)" in out and "restarting it (1 of 3)" in out, out[-3000:]
+    assert f"rank 1 (pid {victim}) was killed (exit code -9)" in out and "restarting it (1 of 3)" in out, out[
+        -3000:
+    ]
     assert "Traceback" not in out
     # the job went back without counting as an error, before its lease could expire
     back = [e for e in m.events() if e["job"] == job.id and e["kind"] in ("abandon", "reclaim", "error")]
@@ -124,12 +146,18 @@ def test_a_failure_while_loading_stops_the_whole_group_before_any_claim(tmp_path
     mdir = plan(tmp_path, n=8, extra=EXTRA)
     store = tmp_path / "store"
     store.mkdir()
-    (store / "unrelated.txt").write_text("not a shard store")  # the leader's store check fails; the follower loads
-    r = run_dflash("extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--tp", "2", timeout=300)
+    (store / "unrelated.txt").write_text(
+        "not a shard store"
+    )  # the leader's store check fails; the follower loads
+    r = run_dflash(
+        "extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--tp", "2", timeout=300
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 2, out
     assert out.count("exists and is not empty but holds no shard store") == 1, out
-    assert "Traceback" not in out and "exited with an error (exit code 2)" in out and "not restarting it" in out
+    assert (
+        "Traceback" not in out and "exited with an error (exit code 2)" in out and "not restarting it" in out
+    )
     with Manifest.open(mdir, readonly=True) as m:
         assert m.counts()["pending"] == sum(m.counts().values())
         assert not [e for e in m.events() if e["job"] is not None]  # nothing was ever claimed
@@ -141,7 +169,19 @@ def test_a_failure_while_loading_stops_the_whole_group_before_any_claim(tmp_path
 def test_tp2_hybrid_targets_match_tp1(tmp_path, kind):
     """The hybrid (Gated DeltaNet) tiny targets, as listed in dflash_staged/model/parallel.py."""
     mdir = plan(tmp_path, n=12, extra=EXTRA + f'[target]\nmodel = "tiny:{kind}"\n')
-    r = run_dflash("extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu,cpu", "--tp", "2",
-                   "--window", "64", timeout=400)
+    r = run_dflash(
+        "extract",
+        "--manifest",
+        mdir,
+        "--store",
+        tmp_path / "store",
+        "--devices",
+        "cpu,cpu",
+        "--tp",
+        "2",
+        "--window",
+        "64",
+        timeout=400,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert_matches_tp1(mdir, tmp_path / "store")

@@ -20,7 +20,8 @@ Keys (all optional):
   itself with that probability (after appending ``"<point> <pid>"`` to ``crash_log``). Points:
   ``write`` (each block written to a shard file), ``commit`` (shard renamed into place, the
   manifest transaction not yet committed), ``delete`` (shard deleted, not yet marked released),
-  ``checkpoint_fsync`` (a checkpoint written, not yet fsynced and renamed), ``checkpoint`` (checkpoint durable, shards not yet
+  ``checkpoint_fsync`` (a checkpoint written, not yet fsynced and renamed), ``checkpoint`` (checkpoint
+  durable, shards not yet
   released), ``consume`` (step marked consumed, not yet logged or checkpointed), ``manifest_npy``
   (`dflash plan` has written one of the manifest's sample arrays under its temporary name).
 * ``crash_after``: ``{point: n}``: SIGKILL this process at the n-th time it reaches ``point``.
@@ -120,6 +121,7 @@ def _patch_checkpoint(mod) -> None:
             with open(filename, "wb") as f:
                 f.write(b"\0" * 4096)  # the disk fills up mid-file
             from safetensors import SafetensorError
+
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
         mod.save_file = save_file
@@ -166,6 +168,7 @@ def _patch_manifest_build(mod) -> None:
 class FakeTarget:
     def __init__(self, layer_ids, hidden: int, delay_s: float):
         import torch
+
         self.torch = torch
         self.layer_ids = list(layer_ids)
         self.hidden_size = hidden
@@ -199,6 +202,7 @@ def _patch_target(mod) -> None:
 def expected_hidden(input_ids, num_layers: int, hidden: int):
     """What FakeTarget writes for these packed ids: [T, K, H]."""
     import torch
+
     k = torch.arange(num_layers, dtype=torch.float32).view(1, -1, 1)
     h = torch.arange(hidden, dtype=torch.float32).view(1, 1, -1)
     return input_ids.float().view(-1, 1, 1) * (k + 1) + h / 2
@@ -225,16 +229,20 @@ def _crashes() -> bool:
 
 
 # Each patch names the attributes it replaces directly, so a rename fails loudly (AttributeError at import).
-_PATCHES = {"dflash_staged.store.shardfiles": (_patch_shardfiles, lambda: "enospc_flag" in CFG or _crashes()),
-            "dflash_staged.store.shard_store": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
-            "dflash_staged.train.checkpoint": (_patch_checkpoint,
-                                               lambda: _crashes() or "checkpoint_enospc_flag" in CFG),
-            "dflash_staged.fsutil": (_patch_fsutil, _crashes),
-            "dflash_staged.manifest.sqlite": (_patch_manifest, _crashes),
-            "dflash_staged.manifest.postgres": (_patch_manifest_pg, _crashes),
-            "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
-            "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG),
-            "dflash_staged.extract.worker": (_patch_extract_worker, lambda: "die_holding_status_lock" in CFG)}
+_PATCHES = {
+    "dflash_staged.store.shardfiles": (_patch_shardfiles, lambda: "enospc_flag" in CFG or _crashes()),
+    "dflash_staged.store.shard_store": (_patch_store, lambda: "commit_log" in CFG or _crashes()),
+    "dflash_staged.train.checkpoint": (
+        _patch_checkpoint,
+        lambda: _crashes() or "checkpoint_enospc_flag" in CFG,
+    ),
+    "dflash_staged.fsutil": (_patch_fsutil, _crashes),
+    "dflash_staged.manifest.sqlite": (_patch_manifest, _crashes),
+    "dflash_staged.manifest.postgres": (_patch_manifest_pg, _crashes),
+    "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
+    "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG),
+    "dflash_staged.extract.worker": (_patch_extract_worker, lambda: "die_holding_status_lock" in CFG),
+}
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -3,6 +3,7 @@
 The reliability tests put this directory on PYTHONPATH, so every Python process they start
 (the CLI, and the extract workers it spawns) runs this at startup. See dflash_fault_hooks.
 """
+
 import os
 
 if os.environ.get("DFLASH_TEST_HOOKS"):

@@ -1,0 +1,127 @@
+"""Results: ``dflash eval`` (speculative decoding with the target) and ``dflash plot`` (training curves)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dflash_staged.cli.options import parse_json_object
+from dflash_staged.errors import user_errors
+
+
+@click.command("eval")
+@click.option(
+    "--drafter",
+    "drafter_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Drafter checkpoint (config.json + model.safetensors) or a run directory (its newest).",
+)
+@click.option(
+    "--target",
+    "target_spec",
+    required=True,
+    help="Target: model directory, hub id or tiny:qwen3; or a dflash config TOML (its [target]).",
+)
+@click.option(
+    "--prompts",
+    "prompts_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help='JSONL: {"messages": [...]} (chat template + generation prompt) or {"input_ids": [...]}.',
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="New tokens per prompt; 2048 is the reference benchmark's (see dflash_staged/evaluate/report.py).",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N prompts.")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--no-baseline", is_flag=True, help="Skip plain greedy decoding (no tokens/s comparison).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object (tau_per_prompt_mean, tau_pooled = tau)."
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a PNG: accepted-length histogram and per-position acceptance.",
+)
+@click.option(
+    "--out", "out_path", type=click.Path(path_type=Path), default=None, help="Write the JSON report here."
+)
+@click.option(
+    "--chat-template-kwargs",
+    "chat_kwargs",
+    default=None,
+    metavar="JSON",
+    help="Update the chat template's options recorded at training, e.g. '{\"enable_thinking\": true}'.",
+)
+@click.option(
+    "--chat-template",
+    "chat_template",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A Jinja chat template file replacing the recorded (or the tokenizer's) template.",
+)
+@user_errors
+def eval_cmd(
+    drafter_path,
+    target_spec,
+    prompts_path,
+    max_new_tokens,
+    limit,
+    device,
+    no_baseline,
+    as_json,
+    plot_path,
+    out_path,
+    chat_kwargs,
+    chat_template,
+):
+    """Greedy speculative decoding with the target: acceptance length tau, tokens/s vs plain greedy."""
+    import json
+
+    from dflash_staged.evaluate.report import format_report, run_eval
+    from dflash_staged.fsutil import write_json_atomic
+
+    kwargs = parse_json_object(chat_kwargs, "--chat-template-kwargs")
+    report = run_eval(
+        drafter_path,
+        target_spec,
+        prompts_path,
+        max_new_tokens,
+        device=device,
+        limit=limit,
+        baseline=not no_baseline,
+        chat_template_kwargs=kwargs,
+        chat_template=chat_template,
+    )
+    if plot_path:
+        from dflash_staged.evaluate.plot import plot_eval
+
+        report["plot"] = str(plot_eval(report, plot_path))
+    if out_path:
+        write_json_atomic(out_path, report)
+    click.echo(json.dumps(report) if as_json else format_report(report))
+
+
+@click.command("plot")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="PNG to write [default: RUN_DIR/metrics.png].",
+)
+@user_errors
+def plot_cmd(run_dir, out_path):
+    """Draw a run's training curves (loss, training tau, learning rate) from its metrics.jsonl."""
+    from dflash_staged.train.curves import plot_metrics
+
+    click.echo(str(plot_metrics(run_dir, out_path)))

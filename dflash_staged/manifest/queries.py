@@ -1,0 +1,116 @@
+"""The queries every backend answers the same way, from the primitives of the manifest interface.
+
+:class:`SharedQueries` is a base of :class:`~dflash_staged.manifest.base.Manifest`: jobs and real
+tokens per state and per state group, whether extract is done, what ``dflash status --json``
+prints (:mod:`.status` has its human form), each host's processes and claims, and the two
+questions the store's cleanup asks about a shard on disk. Each is built on the abstract
+operations of :class:`~dflash_staged.manifest.base.Manifest` (``_query``, ``meta``, ``job``,
+``jobs``, ``window``, ``live_procs``, ``now``, ...), so a backend implements those and gets these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_staged.manifest.states import STATES, NoSuchJobError, group_counts
+
+
+class SharedQueries:
+    """Derived queries of a :class:`~dflash_staged.manifest.base.Manifest`; see the module docstring."""
+
+    def _by_state(self, expr: str) -> dict[str, int]:
+        out = dict.fromkeys(STATES, 0)
+        for r in self._query(f"SELECT state, {expr} AS n FROM jobs GROUP BY state"):
+            out[r["state"]] = int(r["n"] or 0)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Jobs per state (every state in :data:`STATES`, zeros included)."""
+        return self._by_state("COUNT(*)")
+
+    def tokens_by_state(self) -> dict[str, int]:
+        """Real tokens per state (zeros included)."""
+        return self._by_state("SUM(real_tokens)")
+
+    def extract_done(self) -> bool:
+        """No job is pending or claimed."""
+        return group_counts(self.counts())["to_extract"] == 0
+
+    def progress(self) -> dict[str, dict[str, int]]:
+        """Jobs and real tokens per named state group (``extracted``, ``trained``, ...)."""
+        return {"jobs": group_counts(self.counts()), "tokens": group_counts(self.tokens_by_state())}
+
+    def status(self) -> dict[str, Any]:
+        """What ``dflash status --json`` prints."""
+        m, counts = self.meta, self.counts()
+        return {
+            "manifest": self.address,
+            "manifest_id": m["manifest_id"],
+            "jobs": counts,
+            "total_jobs": sum(counts.values()),
+            "epochs": int(m["epochs"]),
+            "window": self.window(),
+            "padding_waste": float(m["padding_waste"]),
+            "extract_done": group_counts(counts)["to_extract"] == 0,
+            "tokens": {"real": int(m["tokens_real"]), "padded": int(m["tokens_padded"])},
+            "tokens_by_state": self.tokens_by_state(),
+            "groups": group_counts(counts),
+            "samples": int(m["n_samples"]),
+            "target_id": m["target_id"],
+            "layer_ids": m["layer_ids"],
+            "requeued": self.requeue_reasons(),
+            "failed": [{"id": j.id, "error": e} for j, e in self.failed_errors()],
+            "processes": [
+                {"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank} for p in self.live_procs()
+            ],
+            "hosts": self.hosts(),
+        }
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """Per host: its live processes (with the age of their last heartbeat, where kept) and its
+        extract workers' claims with the seconds left on their leases; in ``status``."""
+        now, out = self.now(), {}
+
+        def entry(host):
+            return out.setdefault(host, {"host": host, "processes": [], "workers": []})
+
+        for p in self.live_procs():
+            entry(p.host)["processes"].append(
+                {
+                    "role": p.role,
+                    "pid": p.pid,
+                    "rank": p.rank,
+                    "heartbeat_age_s": None if p.heartbeat is None else round(now - p.heartbeat, 1),
+                }
+            )
+        workers: dict[tuple, dict] = {}
+        for j in self.jobs("claimed"):
+            w = workers.setdefault(
+                (j.host, j.worker, j.pid),
+                {"worker": j.worker, "pid": j.pid, "jobs": [], "lease_left_s": None},
+            )
+            w["jobs"].append(j.id)
+            if j.lease_until is not None:
+                left = round(j.lease_until - now, 1)
+                w["lease_left_s"] = left if w["lease_left_s"] is None else min(w["lease_left_s"], left)
+        for (host, _, _), w in sorted(workers.items(), key=lambda kv: str(kv[0])):
+            entry(host)["workers"].append(w)
+        return [out[h] for h in sorted(out, key=str)]
+
+    def holds_claim(self, job_id: int, host: str, pid: int) -> bool:
+        """Whether process ``pid`` on ``host`` still holds the claim on job ``job_id`` (a staged shard
+        of another host whose claim it no longer holds is an orphan)."""
+        try:
+            j = self.job(job_id)
+        except NoSuchJobError:
+            return False
+        return j.state == "claimed" and j.host == host and j.pid == pid
+
+    def shard_unwanted(self, job_id: int) -> bool:
+        """Whether no shard of job ``job_id`` should be on disk: it is released, pending or failed (a
+        late rename after its job was released or requeued left one; a claimed job's old shard is
+        replaced when it publishes). False for an unknown job."""
+        try:
+            return self.job(job_id).state in ("released", "pending", "failed")
+        except NoSuchJobError:
+            return False
