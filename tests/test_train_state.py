@@ -126,3 +126,14 @@ def test_components_may_not_share_a_key_and_per_rank_parts_are_lists(run):
             ckpt.TrainerState.collect({"tensors": Tensors()}, t.dist.gather_obj)
     finally:
         t.close()
+
+
+def test_a_step_with_a_row_budget_and_activation_checkpointing(run):
+    t = build_trainer(
+        run(max_steps=1, overrides={"train": {"microbatch_rows": 4096, "activation_checkpointing": True}})
+    )
+    try:
+        assert t.model.max_rows == 4096 and t.model.drafter.activation_checkpointing
+        assert train_loop(t) == 0 and t.step == 1
+    finally:
+        t.close()

@@ -213,6 +213,11 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 = no clipping
     grad_accum: int = 4  # shards (planned jobs) each rank takes per optimizer step
     microbatch_tokens: int = 16384  # tokens per forward/backward: a shard is split into such microbatches
+    # Drafter rows (anchors x block size) per forward/backward, the drafter's activation memory:
+    # 0 = derived from the device's memory (train.memory; no cap on CPU).
+    microbatch_rows: int = 0
+    # Recompute each drafter layer in the backward instead of keeping its activations (less memory).
+    activation_checkpointing: bool = False
     num_anchors: int = 512  # most draft blocks (anchors) drawn per sequence each time it is trained on
     gamma: float = 7.0  # loss weight decay over a block: offset k weighs exp(-(k-1)/gamma)
     noise_std: float = 0.0  # std of the Gaussian noise added to the target's features; 0 = none
@@ -247,6 +252,7 @@ class TrainConfig:
         _check(self.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
         _check(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum}: must be >= 1")
         _check(self.microbatch_tokens >= 1, "train.microbatch_tokens must be >= 1")
+        _check(self.microbatch_rows >= 0, "train.microbatch_rows must be >= 0 (0 = from the device's memory)")
         _check(self.num_anchors >= 1, f"train.num_anchors={self.num_anchors}: must be >= 1")
         _check(self.gamma > 0, f"train.gamma={self.gamma}: must be > 0")
         _check(self.noise_std >= 0, "train.noise_std must be >= 0")

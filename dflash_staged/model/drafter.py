@@ -45,6 +45,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash_staged.errors import DflashError
 from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visible, context_visible, sdpa
@@ -156,6 +157,8 @@ class DFlashDrafter(nn.Module):
         self.block_size = c.block_size
         self.mask_token_id = c.mask_token_id
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        # forward_train recomputes each layer in the backward instead of keeping its activations
+        self.activation_checkpointing = False
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.fc = nn.Linear(len(c.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
@@ -331,7 +334,8 @@ class DFlashDrafter(nn.Module):
             k_b, v_b = attn.kv(h, cos_b, sin_b)  # [A, B, nkv, hd]
             return blocks(attn.q(h, cos_b, sin_b), k_c, v_c, k_b, v_b, attn.window).flatten(-2)
 
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, attend)
+            x = checkpoint(layer, x, attend, use_reentrant=False) if recompute else layer(x, attend)
         out = self.norm(x)
         return out[torch.argsort(pk.perm)]

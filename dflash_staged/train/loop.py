@@ -17,19 +17,24 @@ import time
 
 from dflash_staged.train.draw import StepData, gather_step
 from dflash_staged.train.ledger import Consumed, token_digest
-from dflash_staged.train.objective import per_offset_accuracy, training_tau
+from dflash_staged.train.objective import anchor_counts, per_offset_accuracy, training_tau
 from dflash_staged.train.trainer import Trainer
 
 
-def microbatches(shard, max_tokens: int) -> list[dict]:
-    """Split a shard's packed sequences into groups of at most max_tokens (a longer sequence is alone)."""
+def microbatches(shard, max_tokens: int, max_rows: int = 0, rows: list[int] | None = None) -> list[dict]:
+    """Split a shard's packed sequences, in order, into groups of at most ``max_tokens`` tokens and
+    (when ``max_rows`` > 0) at most ``max_rows`` drafter rows, ``rows[i]`` being sequence i's; a
+    sequence over either budget is alone."""
     cu = shard.cu_seqlens.tolist()
-    groups, start = [], 0
-    for i in range(1, len(cu)):
-        if cu[i] - cu[start] > max_tokens and i - 1 > start:
-            groups.append((start, i - 1))
-            start = i - 1
-    groups.append((start, len(cu) - 1))
+    n = len(cu) - 1
+    rows = rows or [0] * n
+    groups, start, held = [], 0, 0
+    for i in range(n):
+        held += rows[i]
+        if i > start and (cu[i + 1] - cu[start] > max_tokens or (max_rows and held > max_rows)):
+            groups.append((start, i))
+            start, held = i, rows[i]
+    groups.append((start, n))
     out = []
     for s, e in groups:
         a, b = cu[s], cu[e]
@@ -42,6 +47,15 @@ def microbatches(shard, max_tokens: int) -> list[dict]:
             }
         )
     return out
+
+
+def shard_microbatches(t: Trainer, shard) -> list[dict]:
+    """A shard's microbatches under the token budget and the drafter-row budget (anchors x block)."""
+    tc, rows = t.cfg.train, None
+    if t.model.max_rows:
+        counts = anchor_counts(shard.loss_mask, shard.cu_seqlens, tc.num_anchors)
+        rows = [c * t.model.block_size for c in counts]
+    return microbatches(shard, tc.microbatch_tokens, t.model.max_rows, rows)
 
 
 class StopRequested:
@@ -126,7 +140,7 @@ def train_loop(t: Trainer) -> int:
         t_step = time.perf_counter()
 
         # ---- forward / backward over every microbatch of every shard ------------------------------
-        mbs = [mb for _, shard in local for mb in microbatches(shard, cfg.train.microbatch_tokens)]
+        mbs = [mb for _, shard in local for mb in shard_microbatches(t, shard)]
         stats = forward_backward(t.model, mbs, t.device, t.model.noise_std(t.step, t.total_steps))
 
         # ---- optimizer step (gradients summed over ranks / the step's total loss weight), consume ----

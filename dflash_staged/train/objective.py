@@ -52,6 +52,25 @@ def _field(batch: Any, name: str) -> torch.Tensor:
     return getattr(batch, name)
 
 
+def _candidates(loss_mask: torch.Tensor, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's sequence index, whether it may be an anchor) under the contract's rule."""
+    dev, T = loss_mask.device, loss_mask.shape[0]
+    lengths = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), lengths, output_size=T)
+    end = cu[1:][seq]  # exclusive end of each token's sequence
+    nxt = torch.cat([loss_mask[1:], loss_mask.new_zeros(1)]) > 0
+    return seq, (loss_mask > 0) & nxt & (torch.arange(T, device=dev) + 1 < end)
+
+
+def anchor_counts(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_anchors: int) -> list[int]:
+    """How many anchors :func:`sample_anchors` draws from each sequence (whatever the generator):
+    each anchor is one block of ``block_size`` drafter rows, so this sizes a microbatch's memory."""
+    cu = cu_seqlens.to(device=loss_mask.device, dtype=torch.long)
+    seq, cand = _candidates(loss_mask, cu)
+    per_seq = torch.zeros(cu.numel() - 1, dtype=torch.long).index_add_(0, seq.cpu(), cand.long().cpu())
+    return per_seq.clamp_max(num_anchors).tolist()
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -63,12 +82,7 @@ def sample_anchors(
     dev = loss_mask.device
     T = loss_mask.shape[0]
     cu = cu_seqlens.to(device=dev, dtype=torch.long)
-    N = cu.numel() - 1
-    lengths = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(N, device=dev), lengths, output_size=T)
-    end = cu[1:][seq]  # exclusive end of each token's sequence
-    nxt = torch.cat([loss_mask[1:], loss_mask.new_zeros(1)]) > 0
-    cand = (loss_mask > 0) & nxt & (torch.arange(T, device=dev) + 1 < end)
+    seq, cand = _candidates(loss_mask, cu)
     gdev = generator.device if generator is not None else dev
     r = torch.rand(T, generator=generator, device=gdev).to(dev)
     # Sort by (sequence, candidate first, random key): the first num_anchors of each run win.

@@ -25,6 +25,7 @@ from dflash_staged.model.flex_blocks import resolve_attention
 from dflash_staged.model.weights import write_drafter_files
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
+from dflash_staged.train.memory import estimate, row_budget
 from dflash_staged.train.objective import dflash_loss, noise_std_at
 
 
@@ -36,6 +37,11 @@ class DrafterModel:
         self.params = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
         self.anchor_gen = torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + 101 + rank)
         self.attention = resolve_attention(t.attention, device)
+        drafter.activation_checkpointing = t.activation_checkpointing
+        self.memory = estimate(drafter, t, device)
+        self.max_rows = row_budget(self.memory, t, drafter.block_size)  # 0 = no cap
+        if device.type == "cuda" and rank == 0:
+            print(f"train: {self.memory.line(self.max_rows)}", file=sys.stderr, flush=True)
 
     @property
     def block_size(self) -> int:

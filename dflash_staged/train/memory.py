@@ -1,0 +1,119 @@
+"""A training rank's device memory, known before the first step; the drafter-row budget.
+
+The drafter's activations grow with its *rows* (anchors x block size), not with the context
+tokens that ``train.microbatch_tokens`` caps: a shard of short sequences holds thousands of
+anchors. So each microbatch is also capped by rows (``train.microbatch_rows``; 0 = derived
+here from the device's memory) and :func:`estimate` states the peak it expects:
+
+* **fixed**: the trainable parameters' fp32 masters, fp32 gradients and AdamW's two fp32
+  moments, plus their bf16 autocast copies on CUDA (18 bytes a parameter; 16 on CPU), and the
+  frozen target embedding and LM head (bf16 on CUDA, fp32 on CPU);
+* **per row**: ``ROW_ELEMS x (hidden + intermediate)`` saved elements per drafter layer, in the
+  activation dtype (measured with saved-tensor hooks: 8.0 to 9.6 over geometries from hidden 256
+  to 4096; tests/test_memory.py checks it within 20%). With ``train.activation_checkpointing`` a
+  layer keeps only its input (``hidden`` elements a row) and one layer is recomputed at a time;
+* **per context token**: the taps read from the shard, the fused context and each layer's
+  context keys and values;
+* **the loss**: one ``train.loss_chunk`` of fp32 logits, their softmax and gradient.
+
+The row budget fills ``USABLE`` of the device's memory; when even one sequence's blocks
+(``train.num_anchors x block_size`` rows) cannot fit, :func:`row_budget` refuses, naming the
+settings to change. On CPU there is no row cap unless one is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_staged.config import TrainConfig
+from dflash_staged.errors import DflashError
+
+ROW_ELEMS = 9.0  # saved elements a row per layer, in units of (hidden + intermediate)
+USABLE = 0.85  # share of the device's memory the estimate may fill (allocator slack, CUDA context)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of one training rank at the configured shapes (see the module docstring)."""
+
+    fixed: int  # weights, gradients, optimizer state, frozen embedding and head
+    per_row: int  # drafter activations of one row (anchor x block position)
+    context: int  # activations of one microbatch's context tokens
+    loss: int  # one loss chunk's logits
+    device_bytes: int  # the device's memory (0: unknown, e.g. CPU)
+
+    def peak(self, rows: int) -> int:
+        return self.fixed + self.context + self.loss + rows * self.per_row
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a microbatch may hold on this device (0: no cap, the device is unknown)."""
+        if not self.device_bytes:
+            return 0
+        room = int(self.device_bytes * USABLE) - self.fixed - self.context - self.loss
+        return max(0, room // self.per_row)
+
+    def line(self, rows: int) -> str:
+        g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+        dev = f" of {g(self.device_bytes)}" if self.device_bytes else ""
+        return (
+            f"memory: weights, gradients and optimizer {g(self.fixed)}, {self.per_row / 2**20:.2f} MiB "
+            f"a drafter row x {rows:,} rows a microbatch, context {g(self.context)}, loss chunk "
+            f"{g(self.loss)}: peak about {g(self.peak(rows))}{dev}"
+        )
+
+
+def estimate(
+    drafter, t: TrainConfig, device: torch.device, device_bytes: int | None = None
+) -> MemoryEstimate:
+    """The estimate for ``drafter`` (its config and the sizes of its trainable and frozen tensors;
+    it may live on the meta device) trained under ``t`` on ``device``, whose memory is
+    ``device_bytes`` (default: the CUDA device's; none on CPU)."""
+    c = drafter.dcfg
+    cuda = device.type == "cuda"
+    act = 2 if cuda else 4  # bf16 autocast on CUDA, fp32 on CPU
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    frozen = drafter.embed_weight.numel() + drafter.lm_head_weight.numel()
+    H, inter, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    layer_row = int(ROW_ELEMS * (H + inter))
+    rows_elems = L * H + layer_row if t.activation_checkpointing else L * layer_row
+    taps = len(c.target_layer_ids)
+    kv = 2 * c.num_key_value_heads * c.head_dim
+    ctx_elems = t.microbatch_tokens * (taps * H + 2 * H + L * kv * (1 if t.activation_checkpointing else 2))
+    if device_bytes is None:
+        device_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else 0
+    return MemoryEstimate(
+        fixed=trainable * (18 if cuda else 16) + frozen * act,
+        per_row=rows_elems * act,
+        context=ctx_elems * act,
+        loss=3 * min(t.loss_chunk, t.microbatch_tokens * c.block_size) * c.vocab_size * 4,
+        device_bytes=device_bytes,
+    )
+
+
+def row_budget(est: MemoryEstimate, t: TrainConfig, block_size: int) -> int:
+    """Rows a microbatch may hold: ``train.microbatch_rows`` if set, else what fits the device (0 =
+    no cap: CPU). Refuses a budget below one sequence's blocks (a sequence is never split)."""
+    need = t.num_anchors * block_size
+    if t.microbatch_rows:
+        if t.microbatch_rows < need:
+            raise DflashError(
+                f"train.microbatch_rows={t.microbatch_rows} is below one sequence's {need:,} rows "
+                f"(train.num_anchors={t.num_anchors} x block size {block_size}), and a sequence is never "
+                "split: raise it, or lower train.num_anchors"
+            )
+        return t.microbatch_rows
+    if not est.device_bytes:
+        return 0
+    if est.max_rows < need:
+        hints = [] if t.activation_checkpointing else ["set train.activation_checkpointing = true"]
+        hints += ["lower train.num_anchors", "lower train.microbatch_tokens or train.loss_chunk"]
+        raise DflashError(
+            f"train: {est.line(need)}, over {USABLE:.0%} of the device: one sequence's {need:,} rows "
+            f"(train.num_anchors={t.num_anchors} x block size {block_size}) do not fit; "
+            + ", or ".join(hints)
+        )
+    return est.max_rows
