@@ -200,20 +200,30 @@ def demo_prepare():
 H, V = 64, 300  # the model tests' hidden size and vocabulary
 
 
-def make_drafter(layers=2, heads=4, kv=2, block=6, k_taps=3, seed=0, vocab=V, hidden=H):
-    """A float32 drafter with random embedding, head and (non-trivial) norms, reproducible from ``seed``."""
+def make_drafter(
+    layers=2,
+    heads=4,
+    kv=2,
+    block=6,
+    k_taps=3,
+    seed=0,
+    vocab=V,
+    hidden=H,
+    inter=None,
+    head_dim=None,
+    device="cpu",
+):
+    """A float32 drafter with random embedding, head and (non-trivial) norms, reproducible from ``seed``
+    (``device="meta"``: shapes only)."""
     from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 
-    g = torch.Generator().manual_seed(seed + 1000)
-    embed = torch.randn(vocab, hidden, generator=g)
-    head = torch.randn(vocab, hidden, generator=g) * 0.2
     dcfg = DraftModelConfig(
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=inter or 2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        head_dim=hidden // heads,
+        head_dim=head_dim or hidden // heads,
         vocab_size=vocab,
         block_size=block,
         num_target_layers=8,
@@ -222,6 +232,12 @@ def make_drafter(layers=2, heads=4, kv=2, block=6, k_taps=3, seed=0, vocab=V, hi
         dtype="float32",
         rope_theta=10000.0,
     )
+    if device == "meta":
+        with torch.device("meta"):
+            return DFlashDrafter(dcfg, torch.empty(vocab, hidden), torch.empty(vocab, hidden))
+    g = torch.Generator().manual_seed(seed + 1000)
+    embed = torch.randn(vocab, hidden, generator=g)
+    head = torch.randn(vocab, hidden, generator=g) * 0.2
     torch.manual_seed(seed)
     m = DFlashDrafter(dcfg, embed, head)
     with torch.no_grad():  # non-trivial norms, so a wrong norm placement would show

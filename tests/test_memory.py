@@ -11,45 +11,17 @@ import torch
 
 from dflash_staged.config import TrainConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 from dflash_staged.train import memory
 from dflash_staged.train.loop import microbatches
 from dflash_staged.train.objective import anchor_counts, dflash_loss, sample_anchors
 
+from helpers import make_drafter
+
 B = 8
 
 
-def drafter(
-    hidden=256,
-    inter=768,
-    layers=2,
-    heads=4,
-    kv=2,
-    head_dim=64,
-    vocab=300,
-    dtype=torch.float32,
-    dev="cpu",
-    block=B,
-):
-    c = DraftModelConfig(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        vocab_size=vocab,
-        block_size=block,
-        num_target_layers=8,
-        target_layer_ids=[1, 3, 5],
-        mask_token_id=vocab - 1,
-        dtype="float32",
-        rope_theta=10000.0,
-    )
-    torch.manual_seed(0)
-    with torch.device(dev):
-        m = DFlashDrafter(c, torch.randn(vocab, hidden) * 0.1, torch.randn(vocab, hidden) * 0.1)
-    return m.to(dtype)
+def drafter(hidden=256, inter=768, layers=2, heads=4, kv=2, head_dim=64, vocab=300, block=B, device="cpu"):
+    return make_drafter(layers, heads, kv, block, 3, 0, vocab, hidden, inter, head_dim, device)
 
 
 def shard(lengths, hidden=256, vocab=300, seed=0):
@@ -185,7 +157,7 @@ def test_one_layer_at_the_qwen3_8b_recipe_shapes(capsys):
     """Hidden 4096, MLP 12288, 32 heads of 128, 8 KV heads, bf16: autograd's bytes a row agree with
     the estimate; then the recipe's peak (5 layers, vocab 151,936, 512 anchors x 16) per device."""
     torch.manual_seed(0)
-    m = drafter(4096, 12288, 1, 32, 8, 128, vocab=512, dtype=torch.bfloat16)
+    m = drafter(4096, 12288, 1, 32, 8, 128, vocab=512).to(torch.bfloat16)
     m.requires_grad_(True)
     est = memory.estimate(m, TrainConfig(), torch.device("cuda"), device_bytes=0)  # bf16 activations
     b = shard([64, 64], hidden=4096, vocab=512)
@@ -193,7 +165,7 @@ def test_one_layer_at_the_qwen3_8b_recipe_shapes(capsys):
     measured = (n2 - n1) / (r2 - r1)
     assert abs(measured - est.per_row) <= 0.2 * est.per_row, (measured, est.per_row)
     del m
-    recipe = drafter(4096, 12288, 5, 32, 8, 128, vocab=151936, dev="meta", block=16)  # shapes only
+    recipe = drafter(4096, 12288, 5, 32, 8, 128, vocab=151936, block=16, device="meta")  # shapes only
     report = []
     for ckpt in (False, True):
         for gib in (80, 141):
