@@ -239,3 +239,38 @@ def test_compiled_flex_on_cuda_equals_sdpa_outputs_and_gradients():
     torch.testing.assert_close(l1, l2, atol=1e-4, rtol=1e-4)
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], atol=1e-4, rtol=1e-3, msg=n)
+
+
+@pytest.mark.parametrize("B", [2, 3, 10, 16, 32])
+def test_flex_shapes_per_layer_kind_stay_under_the_recompile_limit(B):
+    """Every (context, anchors) up to MAX_CONTEXT tokens, one anchor per token at most, lands in at
+    most shape_bound shapes per layer kind, and two kinds of the recipe block fit Dynamo's limit."""
+    edges = sorted({max(1, (1 << k) + d) for k in range(18) for d in (-1, 0, 1)} | {3, 5, 77, 1000, 99_999})
+    contexts = [T for T in edges if T <= flex_blocks.MAX_CONTEXT]
+    shapes = {flex_blocks.padded_shape(T, A, B) for T in contexts for A in edges if A <= T}
+    assert len(shapes) <= flex_blocks.shape_bound(flex_blocks.MAX_CONTEXT, B)
+    assert len(shapes) >= flex_blocks.shape_bound(flex_blocks.MAX_CONTEXT, B) - 11  # the bound is tight
+    assert 2 * flex_blocks.shape_bound(flex_blocks.MAX_CONTEXT, 16) <= flex_blocks.RECOMPILE_LIMIT
+    for T_pad, A_pad in shapes:  # padding: at most 2x the context, 2x the rows or T_pad/16 rows
+        assert T_pad >= 128 and T_pad & (T_pad - 1) == 0 and A_pad * B >= T_pad >> flex_blocks.QUERY_SPAN
+    T_pad, A_pad = flex_blocks.padded_shape(16384, 5 * 512, 16)
+    assert (T_pad, A_pad * 16) == (16384, 65536)
+    assert flex_blocks.padded_shape(40_000, 3, 16) == (65536, 4096 // 16)  # few anchors, long context
+
+
+def test_each_new_flex_shape_is_logged_once_and_the_recompile_limits_follow(monkeypatch, capsys):
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    monkeypatch.setattr(flex_blocks, "_shapes", set())
+    monkeypatch.setattr(cfg, "recompile_limit", 8)
+    monkeypatch.setattr(cfg, "accumulated_recompile_limit", 256)
+    assert flex_blocks.note_shape(16384, 8192, 16, 0) and not flex_blocks.note_shape(16384, 8192, 16, 0)
+    assert flex_blocks.note_shape(16384, 8192, 16, 4096)  # another layer kind: another compile
+    err = capsys.readouterr().err
+    assert err.count("flex_attention: compiling shape") == 2 and "window full" in err and "window 4096" in err
+    assert cfg.recompile_limit == cfg.accumulated_recompile_limit == flex_blocks.RECOMPILE_LIMIT
+    for i in range(200):  # past the static limit, the limits keep above twice the shapes seen
+        flex_blocks.note_shape(128, 128 * (i + 2), 16, 0)
+    capsys.readouterr()
+    assert cfg.recompile_limit >= 2 * len(flex_blocks._shapes) and cfg.accumulated_recompile_limit >= 404

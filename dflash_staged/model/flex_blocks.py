@@ -7,9 +7,19 @@
   the mask leaves empty, so the work follows what each anchor can see (context before it,
   its own block) instead of the padded whole.
 * **GQA** with ``enable_gqa=True``: K/V are never repeated.
-* **Compiled once per shape bucket.** Query and key lengths are padded up to powers of two
-  (at least 128), so ``torch.compile`` builds ``flex_attention`` and the mask once per bucket
-  and never per step; padding costs memory, not compute (its tiles are empty).
+* **Compiled once per shape bucket, a bounded number of times.** ``torch.compile`` builds
+  ``flex_attention`` and the mask once per (context bucket, query bucket, layer kind) and never
+  per step (:func:`padded_shape`): the context is padded to a power of two (at least 128), the
+  block rows likewise, and to at least the padded context / 2**:data:`QUERY_SPAN`, so each
+  context bucket has at most ``QUERY_SPAN + ceil(log2(block)) + 1`` query buckets (anchors are context
+  tokens: rows <= context x block). Contexts up to :data:`MAX_CONTEXT` tokens then give at most
+  :func:`shape_bound` shapes per layer kind, and Dynamo's recompile limits (per code object, all
+  kinds together) are raised to :data:`RECOMPILE_LIMIT`, above that bound for two layer kinds,
+  and past twice the shapes seen (a shape called with and without grad is two entries) when
+  more come, so Dynamo never falls back to eager
+  ``flex_attention`` (which materialises the whole score matrix and runs out of memory). Each new
+  shape is logged once, on stderr, when it is first compiled. Padding costs memory, not compute
+  (its tiles are empty).
 * **Where.** CUDA with Triton. ``flex_attention`` has no backward pass on CPU in the torch
   versions this package supports, so training there uses the SDPA path and
   ``train.attention = "flex"`` is an error (:func:`resolve_attention`).
@@ -18,6 +28,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 
 import torch
@@ -27,13 +38,61 @@ from dflash_staged.errors import DflashError
 from dflash_staged.model.block_attention import Packing, block_visible, context_visible
 
 MIN_BUCKET = 128
-RECOMPILE_LIMIT = 128  # buckets: a few key lengths x a few query lengths x layer kinds
+QUERY_SPAN = 4  # block rows are padded to at least the padded context / 2**QUERY_SPAN
+MAX_CONTEXT = 1 << 17  # the context lengths (tokens per microbatch) the shape bound is stated for
+RECOMPILE_LIMIT = 256  # >= 2 layer kinds x shape_bound(MAX_CONTEXT, 16)
 _compiled: dict[str, object] = {}
+_shapes: set[tuple[int, int, int, int]] = set()  # (padded context, query rows, block, window) compiled
 
 
 def bucket(n: int) -> int:
     """The padded length for ``n``: the next power of two, at least :data:`MIN_BUCKET`."""
     return max(MIN_BUCKET, 1 << max(0, n - 1).bit_length())
+
+
+def padded_shape(T: int, A: int, B: int) -> tuple[int, int]:
+    """(padded context, padded anchors) for ``T`` context tokens and ``A`` anchors of ``B`` rows."""
+    T_pad = bucket(T)
+    rows = max(bucket(A * B), T_pad >> QUERY_SPAN)
+    return T_pad, -(-rows // B)
+
+
+def shape_bound(max_context: int, B: int) -> int:
+    """Most distinct :func:`padded_shape` results per layer kind for contexts up to ``max_context``
+    and up to one anchor per context token."""
+    contexts = bucket(max_context).bit_length() - MIN_BUCKET.bit_length() + 1
+    return contexts * (QUERY_SPAN + (B - 1).bit_length() + 1)
+
+
+def _raise_recompile_limits(n: int) -> None:
+    """Let Dynamo keep ``n`` compiled entries per code object (both limits; named so since torch 2.6)."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    for new, old in (
+        ("recompile_limit", "cache_size_limit"),
+        ("accumulated_recompile_limit", "accumulated_cache_size_limit"),
+    ):
+        name = new if hasattr(cfg, new) else old
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), n))
+
+
+def note_shape(T_pad: int, Q: int, B: int, window: int) -> bool:
+    """Record a shape about to be compiled; log it and return True the first time only."""
+    key = (T_pad, Q, B, window)
+    if key in _shapes:
+        return False
+    _shapes.add(key)
+    # grad and no-grad calls of one shape are two entries: keep twice the shapes, and a margin
+    _raise_recompile_limits(max(RECOMPILE_LIMIT, 2 * len(_shapes) + 8))
+    print(
+        f"flex_attention: compiling shape {len(_shapes)}: context {T_pad}, {Q} block rows "
+        f"(block {B}), window {window or 'full'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
 
 def flex_unavailable(device: torch.device) -> str | None:
@@ -78,13 +137,7 @@ def _kernel(q, k, v, block_mask):
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if "flex" not in _compiled:
-        import torch._dynamo
-
-        cfg = torch._dynamo.config
-        name = (
-            "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-        )  # renamed in torch 2.6
-        setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+        _raise_recompile_limits(RECOMPILE_LIMIT)
         _compiled["flex"] = torch.compile(flex_attention, dynamic=False)
     return _compiled["flex"](q, k, v, block_mask=block_mask, enable_gqa=True)
 
@@ -98,8 +151,7 @@ class FlexBlocks:
         self.pk = pk
         dev = pk.srt.device
         B = pk.B
-        self.T_pad = bucket(pk.T)
-        self.A_pad = -(-bucket(pk.A * B) // B)
+        self.T_pad, self.A_pad = padded_shape(pk.T, pk.A, B)
         self.Q = self.A_pad * B
         self.KV = self.T_pad + self.Q
         self.tok_seq = torch.full((self.T_pad,), -1, dtype=torch.long, device=dev)
@@ -108,6 +160,9 @@ class FlexBlocks:
         self.anchor[: pk.A] = pk.srt
         self.anchor_seq = torch.full((self.A_pad,), -2, dtype=torch.long, device=dev)  # padding: no sequence
         self.anchor_seq[: pk.A] = pk.a_seq
+        if dev.type == "cuda":  # compiled there (mask and kernel): one log line per new shape
+            for w in windows:
+                note_shape(self.T_pad, self.Q, B, w)
         self.masks = {
             w: create_block_mask(
                 self._mask_mod(w), 1, None, self.Q, self.KV, device=dev, _compile=dev.type == "cuda"

@@ -10,12 +10,24 @@ given the same admissions and generator state the draws are identical (replay
 determinism, resume equality); only the reading happens in the background.
 
 Host memory is bounded by C shards plus the read-ahead of the loader thread.
+
+**Pinned shards.** When the trainer runs on CUDA, the reader thread also copies each shard's
+per-token tensors (``hidden``, ``input_ids``, ``loss_mask``) into page-locked memory, so the
+step's ``.to(device, non_blocking=True)`` is a DMA that overlaps compute (from pageable memory
+it is a synchronous copy; the small tensors the step derives, such as ``input_ids.long()``,
+stay pageable). The cost is page-locked host memory: torch's pinned allocator rounds each block
+up to a power of two and keeps freed blocks for reuse, so expect about twice the buffer's shard
+bytes locked per rank. A shard that cannot be pinned (the allocator refuses) is used as read,
+with one warning.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import dataclasses
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +49,21 @@ def bound_host_memory(threshold: int = 1 << 20) -> None:
         pass
 
 
+PINNED_FIELDS = ("hidden", "input_ids", "loss_mask")  # what a step copies to the device
+
+
+def pin_by_default() -> bool:
+    """Whether a buffer pins its shards unless told: CUDA is available and this process has
+    initialised it (the trainer does, choosing a CUDA device); never for a CPU run."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def pinned(shard):
+    """``shard`` with its :data:`PINNED_FIELDS` copied into page-locked memory (raises RuntimeError
+    where that is impossible: no CUDA, or the allocator refuses)."""
+    return dataclasses.replace(shard, **{k: getattr(shard, k).pin_memory() for k in PINNED_FIELDS})
+
+
 @dataclass
 class Entry:
     job: Job
@@ -50,13 +77,27 @@ class Entry:
 class ShardBuffer:
     """Admitted shards, read ahead in the background, drawn at random."""
 
-    def __init__(self, store, capacity: int, *, verify: bool = True, readers: int = 2):
+    def __init__(
+        self, store, capacity: int, *, verify: bool = True, readers: int = 2, pin: bool | None = None
+    ):
+        """``pin``: read shards into page-locked memory (see the module docstring); None =
+        :func:`pin_by_default`."""
         self.store = store
         self.capacity = capacity
         self.verify = verify
+        self.pin = pin_by_default() if pin is None else pin
+        self.pin_warned = False
+        self._warn_lock = threading.Lock()
         self.entries: list[Entry] = []
         self.to_readmit: list[int] = []  # a checkpoint's contents, before resume re-admits them
-        self.pool = cf.ThreadPoolExecutor(max_workers=readers, thread_name_prefix="shard-read")
+        # the readers pin on this thread's GPU (the trainer's), never on a default device 0
+        gpu = torch.cuda.current_device() if self.pin and torch.cuda.is_initialized() else None
+        self.pool = cf.ThreadPoolExecutor(
+            max_workers=readers,
+            thread_name_prefix="shard-read",
+            initializer=None if gpu is None else torch.cuda.set_device,
+            initargs=() if gpu is None else (gpu,),
+        )
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -81,8 +122,25 @@ class ShardBuffer:
     def admit(self, jobs: list[Job]) -> None:
         """Add taken jobs (in order) and start reading them."""
         for job in jobs:
-            fut = self.pool.submit(self.store.read_shard, job.epoch, job.id, job.checksum, self.verify)
-            self.entries.append(Entry(job, fut))
+            self.entries.append(Entry(job, self.pool.submit(self._read, job)))
+
+    def _read(self, job: Job):
+        """Read (and verify) one shard on a reader thread; pin it when :attr:`pin` is set."""
+        shard = self.store.read_shard(job.epoch, job.id, job.checksum, self.verify)
+        if not self.pin:
+            return shard
+        try:
+            return pinned(shard)
+        except RuntimeError as e:
+            with self._warn_lock:
+                first, self.pin_warned = not self.pin_warned, True
+            if first:
+                print(
+                    f"train: warning: shards cannot be pinned ({e}); host-to-GPU copies stay synchronous",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return shard
 
     def draw(self, exclude_buckets: set[int], gen: torch.Generator, prefer_read: bool = False) -> Entry:
         """Remove and return a uniformly random entry, preferring buckets not in `exclude_buckets`.

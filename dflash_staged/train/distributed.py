@@ -2,15 +2,55 @@
 
 Gradients are summed with one flat all-reduce after the microbatches of a step; every rank takes
 part in every collective (a rank with no data contributes zeros), so the final drain never hangs.
+
+**Collective timeout.** The group is created with a timeout of ``DFLASH_TRAIN_COLLECTIVE_TIMEOUT_S``
+seconds (default :data:`COLLECTIVE_TIMEOUT_S`, 2 hours) instead of torch's 10 minutes, and on CUDA
+with ``device_id`` (NCCL binds the group to this rank's GPU at once, and barriers never guess the
+device). Waiting for shards never sits in a collective: ranks poll together every fraction of a
+second (:mod:`dflash_staged.train.draw`). The timeout is for the long one-rank stretches between
+two collectives: rank 0 writing a checkpoint while the others wait in the barrier, a first step's
+compiles, a slow manifest. A rank that dies seldom holds the others that long (torchrun ends
+the ranks of its node, and NCCL reports a lost peer as an error); one that hangs does.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import uuid
 from typing import Any
 
 import torch
+
+from dflash_staged.errors import DflashError
+
+COLLECTIVE_TIMEOUT_S = 2 * 3600.0
+TIMEOUT_ENV = "DFLASH_TRAIN_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout_s() -> float:
+    """The process group's timeout in seconds (see the module docstring)."""
+    raw = os.environ.get(TIMEOUT_ENV) or ""
+    try:
+        s = float(raw) if raw else COLLECTIVE_TIMEOUT_S
+    except ValueError:
+        s = -1.0
+    if not 0 < s < 1e9:  # also refuses nan and inf
+        raise DflashError(f"{TIMEOUT_ENV}={raw!r}: must be a number of seconds > 0")
+    return s
+
+
+def init_kwargs(device: torch.device) -> dict[str, Any]:
+    """``torch.distributed.init_process_group``'s arguments for a trainer rank on ``device``."""
+    kw: dict[str, Any] = {
+        "backend": "nccl" if device.type == "cuda" else "gloo",
+        "timeout": datetime.timedelta(seconds=collective_timeout_s()),
+    }
+    if device.type == "cuda":
+        kw["device_id"] = (
+            device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        )
+    return kw
 
 
 class Dist:
@@ -23,8 +63,7 @@ class Dist:
         if self.enabled:
             import torch.distributed as td
 
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            td.init_process_group(backend)
+            td.init_process_group(**init_kwargs(device))
             self.td = td
         self.device = device
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
