@@ -270,3 +270,34 @@ def one_by_one(m, batch, anchors):
         s = max(c for c in cu[:-1] if c <= a)
         out.append(m.draft_block(batch["hidden"][s:a], batch["input_ids"][a]))
     return torch.stack(out)
+
+
+def tiny_target():
+    """The tiny target of configs/tiny.toml (built in code), tapping the layers a plan of it would."""
+    from dflash_staged.config import load_config
+    from dflash_staged.model.target import load_target
+
+    cfg = load_config(TINY)
+    return load_target(cfg.target, "cpu", num_draft_layers=cfg.drafter.num_hidden_layers)
+
+
+def extract_world(tmp_path: Path, target, lease_s: float):
+    """A planned manifest (12 samples, several jobs), its store, and the options of one CPU extract
+    worker: what the extract worker's parts run against in process."""
+    from dflash_staged.extract.options import ExtractOptions
+    from dflash_staged.extract.worker import open_store_for
+    from dflash_staged.manifest import Manifest
+
+    mdir = plan(tmp_path, n=12, extra="[data]\ntoken_budget = 512\n")
+    m = Manifest.open(mdir)
+    store = open_store_for(m, tmp_path / "store", target, m.config)
+    opts = ExtractOptions(
+        manifest=mdir,
+        store=store.root,
+        devices=["cpu"],
+        window=64,
+        window_bytes=0,
+        lease_s=lease_s,
+        max_attempts=3,
+    )
+    return m, store, opts

@@ -9,39 +9,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_staged.config import load_config
 from dflash_staged.errors import DflashError
-from dflash_staged.extract.options import ExtractOptions
-from dflash_staged.extract.worker import Lease, Publisher, batch_tensors, open_store_for
-from dflash_staged.manifest import Manifest
-from dflash_staged.model.target import load_target, pack_unpadded
+from dflash_staged.extract.worker import Lease, Publisher, batch_tensors
+from dflash_staged.model.target import pack_unpadded
 from dflash_staged.store import StoreFullError
 
-from helpers import TINY, plan
+from helpers import extract_world, tiny_target
 
 
 @pytest.fixture(scope="module")
 def target():
-    """The tiny target of configs/tiny.toml (built in code), tapping the layers a plan of it would."""
-    cfg = load_config(TINY)
-    return load_target(cfg.target, "cpu", num_draft_layers=cfg.drafter.num_hidden_layers)
+    return tiny_target()
 
 
 @pytest.fixture
 def world(tmp_path, target):
     """A planned manifest (12 samples, several jobs), its store, and the options of a worker."""
-    mdir = plan(tmp_path, n=12, extra="[data]\ntoken_budget = 512\n")
-    m = Manifest.open(mdir)
-    store = open_store_for(m, tmp_path / "store", target, m.config)
-    opts = ExtractOptions(
-        manifest=mdir,
-        store=store.root,
-        devices=["cpu"],
-        window=64,
-        window_bytes=0,
-        lease_s=0.6,
-        max_attempts=3,
-    )
+    m, store, opts = extract_world(tmp_path, target, lease_s=0.6)
     started: list[Lease] = []
 
     def lease(lease_s: float = 0.6, start: bool = True) -> Lease:

@@ -153,6 +153,46 @@ def test_node_gpu_ids_map_through_visible_devices_and_single_rank_skips_torchrun
     assert r.exit_code == 1 and "shows only 2 GPU(s)" in r.output
 
 
+def test_pipeline_trains_on_the_first_cuda_device_and_both_stages_number_gpus_like_nvidia_smi(tmp_path):
+    args = ["pipeline", "--config", "configs/tiny.toml", "--data", "d.jsonl", "--workdir", str(tmp_path)]
+    unset = {"CUDA_VISIBLE_DEVICES": None, "CUDA_DEVICE_ORDER": None}
+    lines = dry(*args, "--devices", "cuda:1", env=unset)
+    env_ex, ex = proc_line(lines, "extract")
+    env_tr, tr = proc_line(lines, "train")
+    assert flag(ex, "--devices") == "cuda:1" and flag(tr, "--device") == "cuda:1"  # not cuda:0
+    assert env_ex["CUDA_DEVICE_ORDER"] == env_tr["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "OMP_NUM_THREADS" not in env_tr
+    _, tr = proc_line(dry(*args, "--devices", "cuda:2,cuda:3", env=unset), "train")
+    assert flag(tr, "--device") == "cuda:2"
+    _, tr = proc_line(dry(*args, "--devices", "cuda:1", "--", "--device", "cuda:0", env=unset), "train")
+    assert tr.count("--device") == 1 and flag(tr, "--device") == "cuda:0"  # the user's own wins
+    env_ex, _ = proc_line(
+        dry(*args, "--devices", "cuda:1", env={**unset, "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}), "extract"
+    )
+    assert env_ex["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"  # an explicit choice is kept
+
+
+def test_node_layout_and_bin_node_number_gpus_like_nvidia_smi(tmp_path):
+    from helpers import env as test_env
+
+    args = ["--config", "configs/tiny.toml", "--data", "d.jsonl", "--workdir", str(tmp_path)]
+    args += ["--extract-gpus", "0", "--train-gpus", "1", "--dry-run"]
+    e = {k: v for k, v in test_env().items() if k not in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
+    r = subprocess.run(
+        [str(ROOT / "bin" / "node"), *args],
+        cwd=ROOT,
+        env={**e, "DFLASH_USE_SYSTEM_TORCH": "1", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    for name in ("extract", "train"):
+        env, _ = proc_line(lines, name)
+        assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", (name, env)
+
+
 def test_existing_manifest_is_reused_and_a_different_plan_refused(tmp_path):
     from dflash_staged.plan.command import plan_manifest
 

@@ -243,26 +243,61 @@ def test_preflight_refuses_hybrid_on_cuda_without_kernels(monkeypatch):
         with pytest.raises(KernelPreflightError) as e:
             preflight_kernels(tiny_config(kind), "cuda:0", allow_slow=False)
         msg = str(e.value)
-        assert "flash-linear-attention" in msg and "causal-conv1d" in msg
+        assert "flash-linear-attention" in msg and "causal-conv1d" not in msg  # only fla refuses
         assert "pip install 'dflash-staged[cuda]'" in msg and "--allow-slow-kernels" in msg
     preflight_kernels(tiny_config("qwen3"), "cuda:0", allow_slow=False)  # dense: nothing needed
     with pytest.raises(KernelPreflightError):  # load_target refuses before building the model
         load_target(TargetConfig(model="tiny:qwen3_5"), "cuda:0")
 
 
-def test_preflight_names_only_the_missing_package(monkeypatch):
+def _fake_fla(monkeypatch):
     fla = types.ModuleType("fla.ops.gated_delta_rule")
     fla.chunk_gated_delta_rule = fla.fused_recurrent_gated_delta_rule = lambda *a, **k: None
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fla)
+
+
+def _conv_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "without the causal-conv1d kernel" in r.getMessage()]
+
+
+def test_preflight_a_missing_causal_conv1d_is_a_warning_not_a_refusal(monkeypatch, caplog):
+    # transformers falls back to a depthwise F.conv1d for it (cheap); only the fla fallback is slow
+    _fake_fla(monkeypatch)
     _no_kernels(monkeypatch, "causal_conv1d")
     monkeypatch.setattr(preflight, "_smoke", lambda *a: None)
-    with pytest.raises(KernelPreflightError) as e:
-        preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)
-    assert "causal-conv1d" in str(e.value) and "flash-linear-attention" not in str(e.value)
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
+        preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)  # no raise
+    (msg,) = _conv_warnings(caplog)
+    assert "causal-conv1d (import 'causal_conv1d' failed" in msg and "depthwise conv1d" in msg
+    assert "flash-linear-attention" not in msg
+    caplog.clear()
     conv = types.ModuleType("causal_conv1d")
     conv.causal_conv1d_fn = conv.causal_conv1d_update = lambda *a, **k: None
     monkeypatch.setitem(sys.modules, "causal_conv1d", conv)
-    preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)  # both present and usable
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
+        preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)  # both present and usable
+    assert not caplog.records
+
+    def conv_broken(package, fns, device):
+        if package == "causal_conv1d":
+            raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(preflight, "_smoke", conv_broken)
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
+        preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)  # a broken one: a warning too
+    assert "kernel failed on cuda: RuntimeError: no kernel image" in _conv_warnings(caplog)[0]
+
+
+def test_preflight_names_only_the_missing_package(monkeypatch, caplog):
+    _no_kernels(monkeypatch, "fla", "fla.ops", "fla.ops.gated_delta_rule")
+    conv = types.ModuleType("causal_conv1d")
+    conv.causal_conv1d_fn = conv.causal_conv1d_update = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "causal_conv1d", conv)
+    monkeypatch.setattr(preflight, "_smoke", lambda *a: None)
+    with pytest.raises(KernelPreflightError) as e:
+        preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)
+    assert "flash-linear-attention" in str(e.value) and "causal-conv1d" not in str(e.value)
+    _fake_fla(monkeypatch)
 
     def broken(package, fns, device):
         raise RuntimeError("0 active drivers")
@@ -277,8 +312,10 @@ def test_preflight_allow_slow_warns(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
         preflight_kernels(tiny_config("qwen3_next"), "cuda:0", allow_slow=True)
     assert any(
-        "without fast kernels" in r.getMessage() and "causal-conv1d" in r.getMessage() for r in caplog.records
+        "without fast kernels" in r.getMessage() and "flash-linear-attention" in r.getMessage()
+        for r in caplog.records
     )
+    assert _conv_warnings(caplog)
 
 
 def test_preflight_cpu_logs_once(monkeypatch, caplog):

@@ -20,13 +20,18 @@ on what the leader broadcasts (:meth:`Group.send`):
   follower's wait for the next message stays far below the timeout;
 * ``("stop",)``: exit 0 (the leader is done, or was asked to stop).
 
-After loading and after every forward all ranks agree whether they succeeded
-(:meth:`Group.all_ok`): a load that failed anywhere stops the whole group before anything is
-claimed; a forward that failed on every rank (the same batch is too big for each) fails the job
-as it does for a single worker. A broken group (a rank gone, a collective timed out) raises on
-the survivors, which exit; the supervisor then stops every process of the group, the job goes
-back to pending (the leader gave it back, or it is reclaimed from the dead leader's pid) and the
-group is restarted or reported (:mod:`~dflash_staged.extract.supervisor`). A group of one
+After loading all ranks agree whether they succeeded (:meth:`Group.all_ok`): a load that failed
+anywhere stops the whole group before anything is claimed. After every forward the ranks meet in
+:meth:`Group.all_ok` again, as a barrier: only a rank whose forward returned calls it. A forward
+that raises on a rank (out of memory, most likely on the leader, which alone holds the full tap
+buffer) ends that process at once, with no further collective, and the supervisor restarts the
+group (:mod:`~dflash_staged.extract.forward`: the other ranks may still be inside one of the
+model's collectives, which no later call of another collective may be paired with); the leader
+first sends the job back to pending (whether that counts an attempt: ``counts_attempt`` there). A
+broken group (a rank gone, a collective timed out) raises on the survivors, which exit; the
+supervisor then stops every process of the group, the job goes back to pending (the leader gave
+it back, or it is reclaimed from the dead leader's pid) and the group is restarted or reported
+(:mod:`~dflash_staged.extract.supervisor`). A group of one
 (``--tp 1``) is :class:`Group` with ``size=1``: every method is a no-op.
 """
 
@@ -40,6 +45,7 @@ import time
 import torch
 
 from dflash_staged.errors import DflashError
+from dflash_staged.extract.forward import RankFailed
 
 IDLE_EVERY_S = 1.0
 
@@ -178,7 +184,9 @@ class Group:
 
 
 def follow(target, group: Group) -> None:
-    """Follower loop: run the leader's forwards until it says stop (a broken group raises)."""
+    """Follower loop: run the leader's forwards until it says stop. A broken group raises
+    :class:`GroupBroken`; a forward that raises, :class:`~dflash_staged.extract.forward.RankFailed`
+    (the process must then exit without another collective)."""
     while True:
         msg = group.recv()
         if msg[0] == "stop":
@@ -186,7 +194,10 @@ def follow(target, group: Group) -> None:
         if msg[0] == "job":
             try:
                 target.capture(msg[1], msg[2], keep=False)
-                ok = True
-            except Exception:  # noqa: BLE001 - the leader fails the job for the whole group
-                ok = False
-            group.all_ok(ok)
+            except Exception as e:  # noqa: BLE001 - no all_ok: the others may be in a model collective
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise RankFailed(
+                    f"rank {group.rank} of a tensor-parallel group of {group.size}: the forward failed "
+                    f"({type(e).__name__}: {first[:300]}); this process exits and the group is restarted"
+                ) from None
+            group.all_ok(True)

@@ -14,6 +14,7 @@ from dflash_staged.extract.group import split_groups
 
 EXIT_DISK_FULL = 3
 EXIT_ERROR = 2
+EXIT_RESTART = 4  # a forward raised on a rank of a tensor-parallel group: restart the group (extract.forward)
 
 
 @dataclass

@@ -10,8 +10,11 @@ leaves a claim that the next claim on this host reclaims at once (dead pid), and
 shard directory that the supervisor removes; the other workers go on. When a process of a
 tensor-parallel group is killed, the supervisor kills the rest of the group at once (no rank is
 left in a collective); when ranks exit with an error, the others get :data:`GROUP_GRACE_S` to
-exit and report on their own first. A group whose process was killed by a signal is started
-again, up to :data:`GROUP_RESTARTS` times; its job goes back to pending like any dead worker's.
+exit and report on their own first. A group whose process was killed by a signal, or whose
+forward raised on a rank (:data:`~dflash_staged.extract.options.EXIT_RESTART`, see
+:mod:`~dflash_staged.extract.forward`), is started again, up to :data:`GROUP_RESTARTS` times in a
+row without progress (the count starts over once more tokens are extracted than at its previous
+restart); its job goes back to pending like any dead worker's.
 With a live trainer, extract stays (idle) once everything is extracted, so it can re-extract
 shards that fail verification; a trainer started beside it gets a while to register first (the
 stay rule, :func:`~dflash_staged.extract.worker.should_stay`).
@@ -39,13 +42,13 @@ import click
 from dflash_staged.children import Children, Progress, SpawnedChild
 from dflash_staged.errors import DflashError
 from dflash_staged.extract.messages import Status, WorkerError
-from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, ExtractOptions
+from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, EXIT_RESTART, ExtractOptions
 from dflash_staged.extract.worker import POLL_S, TRAINER_COMING_S, TRAINER_GRACE_S, should_stay, worker_main
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.store import ShardStore
 
-GROUP_RESTARTS = 3  # restarts of a tensor-parallel group whose process was killed (kill -9, OOM killer)
+GROUP_RESTARTS = 3  # restarts in a row of a tensor-parallel group (a rank killed, or its forward raised)
 GROUP_GRACE_S = (
     10.0  # ranks still running this long after another rank of their group exited by itself are killed
 )
@@ -60,7 +63,8 @@ class _Worker:
     devices: list[str]
     procs: list[SpawnedChild] = field(default_factory=list)
     code: int | None = None  # set once it is over: the leader's exit code, or the death of a group
-    restarts: int = 0
+    restarts: int = 0  # restarts since extraction last made progress (tokens_mark)
+    tokens_mark: int = 0  # tokens extracted (all workers) at its previous restart
     wait_since: float = 0.0  # when a group's first rank exited on its own (the others then get GROUP_GRACE_S)
     queue: object = None  # its own status queue, new at each start (see the module docstring)
 
@@ -236,10 +240,11 @@ class ExtractSupervisor:
 
     def _check_group(self, w: _Worker) -> None:
         """A group with a dead process is stopped whole, and restarted when that process was killed
-        by a signal (up to GROUP_RESTARTS times)."""
+        by a signal or its forward raised (up to GROUP_RESTARTS times in a row)."""
         codes = [p.poll() for p in w.procs]
         dead = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         killed = [(r, c) for r, c in dead if c < 0]
+        failed = [(r, c) for r, c in dead if c == EXIT_RESTART]
         if None in codes and not killed and (dead or codes[0] == 0):
             # the leader is done (it told the followers to stop), or ranks exited with an error (the others
             # follow them): they get a grace to exit on their own and report, then are killed
@@ -253,16 +258,19 @@ class ExtractSupervisor:
             w.code = 0
             return
         _remove_dead_leftovers(self.opts, self.m)
-        rank, code = (killed or dead)[0]  # name the one killed by a signal: the others followed it
+        rank, code = (killed or failed or dead)[0]  # name the cause: the others followed it
         if code == EXIT_DISK_FULL or self.children.stopping:
             w.code = code
             return
+        tokens = self.m.progress()["tokens"]["extracted"]
+        if tokens > w.tokens_mark:  # progress since its previous restart: the count starts over
+            w.restarts, w.tokens_mark = 0, tokens
         again = (
-            bool(killed)
+            bool(killed or failed)
             and w.restarts < GROUP_RESTARTS
             and (not self.m.extract_done() or should_stay(self.m, self.opts))
         )
-        how = "was killed" if killed else "exited with an error"
+        how = "was killed" if killed else "failed in a forward" if failed else "exited with an error"
         click.echo(
             f"extract: worker {w.index} (tensor-parallel group {','.join(w.devices)}, leader pid "
             f"{w.procs[0].pid}): rank {rank} (pid {w.procs[rank].pid}) {how} (exit code {code}); the "

@@ -13,12 +13,15 @@ Each worker loops (see :mod:`dflash_staged.extract.supervisor` for the process m
    ``claimed -> written`` happen in one manifest transaction, only if this attempt still holds
    the claim, so a worker that lost its claim never overwrites a newer shard.
 
-At most two shards per worker are in host memory (one being written, one waiting). Errors
-return the job to pending (``failed`` after ``extract.max_attempts`` errors); a full disk gives
-the job back and stops the worker with :data:`EXIT_DISK_FULL`.
+At most two shards per worker are in host memory (one being written, one waiting); the loop
+drops its own reference to a job's hidden states before the next forward. Errors return the job
+to pending (``failed`` after ``extract.max_attempts`` errors); out of memory also frees the cache
+and names the setting to lower (:mod:`dflash_staged.extract.forward`); a full disk gives the job
+back and stops the worker with :data:`EXIT_DISK_FULL`.
 
 A tensor-parallel worker (``--tp N``) is N processes: the leader runs this loop and broadcasts
-each batch to the followers, which run the same forward (:mod:`dflash_staged.extract.group`).
+each batch to the followers, which run the same forward (:mod:`dflash_staged.extract.group`); a
+forward that raises on any rank ends that process with :data:`EXIT_RESTART`.
 """
 
 from __future__ import annotations
@@ -37,9 +40,18 @@ import torch
 from dflash_staged.config import Config
 from dflash_staged.dtypes import dtype_name
 from dflash_staged.errors import DflashError
+from dflash_staged.extract.forward import (
+    RankFailed,
+    batch_tensors,
+    bind_device,
+    counts_attempt,
+    describe_failure,
+    exit_at_once,
+    job_forward,
+)
 from dflash_staged.extract.group import Group, GroupBroken, follow
 from dflash_staged.extract.messages import JobError, WorkerError
-from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, ExtractOptions
+from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, EXIT_RESTART, ExtractOptions
 from dflash_staged.manifest import Job, Manifest
 from dflash_staged.procs import die_with_parent
 from dflash_staged.store import ShardStore, StoreFullError, StoreMeta, bytes_per_token
@@ -151,32 +163,6 @@ class Publisher:
             self._m.close()
 
 
-def batch_tensors(m: Manifest, job: Job):
-    """The job's samples: right-padded ids + mask for the target, and the packed arrays of its shard."""
-    from dflash_staged.model.target import pad_batch
-
-    seqs, masks = [], []
-    for sid in job.sample_ids:
-        tok, mask = m.sample(sid)
-        seqs.append(torch.from_numpy(tok.astype("int64")))
-        masks.append(torch.from_numpy(mask.copy()))
-    lengths = [len(s) for s in seqs]
-    input_ids, attention_mask, _ = pad_batch(seqs, pad_id=0)
-    packed_ids = torch.cat(seqs).to(torch.int32)
-    loss_mask = torch.cat(masks).to(torch.uint8)
-    cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return (
-        input_ids,
-        attention_mask,
-        lengths,
-        packed_ids,
-        loss_mask,
-        cu,
-        torch.tensor(job.sample_ids, dtype=torch.int64),
-    )
-
-
 def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardStore:
     """Create (atomically) or open the store for this manifest and target; record bytes per token."""
     meta = StoreMeta(
@@ -231,10 +217,9 @@ def _loop(
     group: Group,
 ) -> None:
     """Claim, compute, hand over, until nothing is left (or ``keep_going()`` turns false)."""
-    from dflash_staged.model.target import pack_unpadded
-
     worker_id = f"w{rank}-{os.getpid()}"
     while keep_going():
+        hidden = None  # the previous job's states are the writer's now: not held through this forward
         if publisher.error is not None:
             raise publisher.error
         r = m.claim(worker_id, window=opts.window, window_bytes=opts.window_bytes, lease_s=opts.lease_s)
@@ -246,7 +231,7 @@ def _loop(
             continue
         job = r.job
         lease.hold(job)
-        error = None
+        error, in_forward, counted = None, False, True
         try:
             ids, attn, lengths, packed_ids, loss_mask, cu, sample_ids = batch_tensors(m, job)
         except Exception as e:  # noqa: BLE001 - the job goes back to pending / failed
@@ -254,15 +239,27 @@ def _loop(
         else:
             group.send(("job", ids, attn))  # the followers run the same forward
             try:
-                hidden = pack_unpadded(target.capture(ids, attn), lengths)
+                hidden = job_forward(target, ids, attn, lengths)
             except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
-            if not group.all_ok(error is None):  # a broken group raises here, and the worker stops
-                error = error or "the forward failed on another rank of this tensor-parallel group"
+                error, in_forward, counted = describe_failure(e, ids, target.device), True, counts_attempt(e)
+                if isinstance(e, torch.OutOfMemoryError):  # said now, not only in the closing report
+                    print(f"extract: worker {rank}: job {job.id}: {error}", file=sys.stderr, flush=True)
+            else:
+                group.all_ok(True)  # the followers' forwards returned too (a broken group raises)
         if error is not None:
             lease.drop(job)
-            state = m.fail(job, error, opts.max_attempts)
-            status_q.put(JobError(rank, job.id, error, state))
+            try:
+                if group.size > 1 and not counted:  # maybe another rank's death (extract.forward)
+                    m.give_back(job, f"the tensor-parallel forward failed: {error}"[:2000])
+                else:
+                    state = m.fail(job, error, opts.max_attempts)
+                    status_q.put(JobError(rank, job.id, error, state))
+            finally:
+                if in_forward and group.size > 1:  # no other collective may follow (extract.forward)
+                    raise RankFailed(
+                        f"rank 0 of a tensor-parallel group of {group.size}: the forward of job {job.id} "
+                        f"failed ({error[:300]}); this process exits and the group is restarted"
+                    )
             continue
         if lease.is_lost(job):
             lease.drop(job)
@@ -286,6 +283,7 @@ def worker_main(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a follower waits for its leader's "stop"
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     device = devices[rank]
+    bind_device(device)  # before anything touches CUDA
     if device.startswith("cpu"):
         n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         torch.set_num_threads(n or max(1, (os.cpu_count() or 1) // max(1, len(opts.devices))))
@@ -339,6 +337,9 @@ def worker_main(
         except GroupBroken as e:  # the leader died: the supervisor stops (and restarts) the group
             status_q.put(WorkerError(who, str(e)))
             code = EXIT_ERROR
+        except RankFailed as e:  # the others may be in a collective: no teardown (extract.forward)
+            status_q.put(WorkerError(who, str(e)))
+            exit_at_once(EXIT_RESTART, status_q)
         group.close()
         sys.exit(code)
     try:  # both open their own manifest handles now: an unreachable manifest is one clean line
@@ -365,10 +366,12 @@ def worker_main(
         )
         publisher.close()
     except BaseException as e:  # noqa: BLE001
-        code = EXIT_DISK_FULL if isinstance(e, StoreFullError) else EXIT_ERROR
+        code = EXIT_RESTART if isinstance(e, RankFailed) else EXIT_ERROR
+        code = EXIT_DISK_FULL if isinstance(e, StoreFullError) else code
         status_q.put(WorkerError(index, str(e) if isinstance(e, DflashError) else traceback.format_exc()))
     finally:
-        group.stop()
+        if code != EXIT_RESTART:  # after a failed forward the followers may be in a model collective
+            group.stop()
         try:
             publisher.close()
         except BaseException:  # noqa: BLE001
@@ -380,5 +383,7 @@ def worker_main(
         except DflashError:
             pass  # the manifest is unreachable: those claims return to pending when their leases expire
         m.close()
+        if code == EXIT_RESTART:
+            exit_at_once(code, status_q)
         group.close()
     sys.exit(code)

@@ -130,50 +130,25 @@ def _run_layout(layout, status_every: float, summary_json: Path | None, dry_run:
 _CTX = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 
 
+def _launch(layout_of, o: dict) -> None:
+    """Build the layout from the command's options (named as ``layout_of``'s parameters), run it, exit."""
+    run = {k: o.pop(k) for k in ("status_every", "summary_json", "dry_run")}
+    layout = layout_of(o.pop("config"), o.pop("data"), o.pop("workdir"), **o)
+    sys.exit(_run_layout(layout, **run))
+
+
 @click.command(context_settings=_CTX)
 @_common
 @click.option(
     "--devices", default="cpu", show_default=True, help="Extract workers: cpu, cpu,cpu or cuda:0,..."
 )
 @user_errors
-def pipeline(
-    config,
-    data,
-    workdir,
-    manifest,
-    epochs,
-    seed,
-    window,
-    window_bytes,
-    keep_shards,
-    allow_slow_kernels,
-    tp,
-    status_every,
-    summary_json,
-    dry_run,
-    train_args,
-    devices,
-):
+def pipeline(**o):
     """Plan if needed, then extract on --devices and train, side by side.
 
     Arguments after the options (e.g. `-- --max-steps 100 --set train.lr=1e-3`) go to `dflash train`.
     """
-    layout = pipeline_layout(
-        config,
-        data,
-        workdir,
-        devices=devices,
-        epochs=epochs,
-        seed=seed,
-        window=window,
-        window_bytes=window_bytes,
-        keep_shards=keep_shards,
-        allow_slow_kernels=allow_slow_kernels,
-        train_args=train_args,
-        manifest=manifest,
-        tp=tp,
-    )
-    sys.exit(_run_layout(layout, status_every, summary_json, dry_run))
+    _launch(pipeline_layout, o)
 
 
 @click.command(context_settings=_CTX)
@@ -200,47 +175,10 @@ def pipeline(
     help="Target hidden size, when it cannot be read offline.",
 )
 @user_errors
-def node(
-    config,
-    data,
-    workdir,
-    manifest,
-    epochs,
-    seed,
-    window,
-    window_bytes,
-    keep_shards,
-    allow_slow_kernels,
-    tp,
-    status_every,
-    summary_json,
-    dry_run,
-    train_args,
-    extract_gpus,
-    train_gpus,
-    target_tok_s,
-    hidden_size,
-):
+def node(**o):
     """One GPU node: extract on --extract-gpus, train under torchrun on --train-gpus, side by side.
 
     Arguments after the options (e.g. `-- --max-steps 100`) go to `dflash train`.
     """
-    layout = node_layout(
-        config,
-        data,
-        workdir,
-        extract_gpus=extract_gpus,
-        train_gpus=train_gpus,
-        epochs=epochs,
-        seed=seed,
-        window=window,
-        window_bytes=window_bytes,
-        keep_shards=keep_shards,
-        allow_slow_kernels=allow_slow_kernels,
-        target_tok_s=target_tok_s or DEFAULT_TARGET_TOK_S,
-        hidden_size=hidden_size,
-        train_args=train_args,
-        manifest=manifest,
-        tp=tp,
-    )
-    sys.exit(_run_layout(layout, status_every, summary_json, dry_run))
+    o["target_tok_s"] = o["target_tok_s"] or DEFAULT_TARGET_TOK_S
+    _launch(node_layout, o)

@@ -5,6 +5,10 @@ launcher's options into a :class:`Layout`: the plan command (``None`` when the w
 already holds this plan), the extract and train processes with their environments, and notes to
 print. :func:`dflash_staged.launch.supervise.run_side_by_side` runs a layout.
 
+Pipeline layout: extract runs on ``--devices``; train runs on the CPU when every extract device is
+a CPU, else on the first CUDA device of the list (``--devices cuda:1`` trains on ``cuda:1``), unless
+the train arguments name a ``--device``.
+
 Node layout: GPU ids are indices into the launcher's ``CUDA_VISIBLE_DEVICES`` when that is set,
 else the ids ``nvidia-smi`` shows; a list may use ranges (``0-3,6,7``). Extract sees only its GPUs
 (``CUDA_VISIBLE_DEVICES``) and runs one worker per GPU (``--devices cuda:0,...,cuda:n-1``), or with
@@ -12,7 +16,9 @@ else the ids ``nvidia-smi`` shows; a list may use ranges (``0-3,6,7``). Extract 
 as G torchrun ranks (``dflash train --nproc G``) when G > 1, with ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
 raised so a clean stop has time to checkpoint.
 
-The disk arithmetic printed for a node layout is :mod:`dflash_staged.launch.disk`.
+Both layouts give their children ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless the launcher's
+environment sets it), so CUDA numbers the GPUs as ``nvidia-smi`` does (its own default puts the
+fastest first). The disk arithmetic printed for a node layout is :mod:`dflash_staged.launch.disk`.
 """
 
 from __future__ import annotations
@@ -138,6 +144,18 @@ def _train_args(
 BASE_ENV = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
+def base_env() -> dict[str, str]:
+    """:data:`BASE_ENV` and the GPU numbering of ``nvidia-smi`` (the module docstring)."""
+    return {**BASE_ENV, "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER") or "PCI_BUS_ID"}
+
+
+def train_device(devices: str) -> str:
+    """The pipeline trainer's ``--device`` for extract ``devices``: ``cpu`` when every one is a CPU,
+    else the first CUDA device (``cuda:1,cuda:2`` -> ``cuda:1``)."""
+    devs = [d.strip() for d in devices.split(",") if d.strip()]
+    return next((d for d in devs if d.startswith("cuda")), "cpu")
+
+
 def pipeline_layout(
     config: Path,
     data: Path,
@@ -155,15 +173,15 @@ def pipeline_layout(
     tp: int = 1,
 ) -> Layout:
     """Plan if needed, then extract on `devices` (groups of `tp`) and train (on CPU when every extract
-    device is)."""
+    device is, else on the first CUDA one: :func:`train_device`)."""
     workdir = Path(workdir)
     m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
     extra = tuple(train_args)
-    env_ex, env_tr = dict(BASE_ENV), dict(BASE_ENV)
+    env_ex, env_tr = base_env(), base_env()
+    if "--device" not in extra and not any(a.startswith("--device=") for a in extra):
+        extra += ("--device", train_device(devices))
     cpu_devs = [d for d in devices.split(",") if d.strip() == "cpu"]
     if len(cpu_devs) == len(devices.split(",")):
-        if "--device" not in extra:
-            extra += ("--device", "cpu")
         # Share the cores: half to the extract workers, half to the trainer (oversubscribed threads
         # slowed generation 6x on a busy 2-core machine).
         half = max(1, (os.cpu_count() or 2) // 2)
@@ -256,13 +274,13 @@ def node_layout(
         Proc(
             "extract",
             _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g, tp),
-            {**BASE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(ex)},
+            {**base_env(), "CUDA_VISIBLE_DEVICES": ",".join(ex)},
         ),
         Proc(
             "train",
             train_cmd,
             {
-                **BASE_ENV,
+                **base_env(),
                 "CUDA_VISIBLE_DEVICES": ",".join(tr),
                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S),
             },

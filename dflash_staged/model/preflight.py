@@ -2,13 +2,16 @@
 
 transformers runs the gated-delta-rule and causal-conv1d layers of a hybrid
 target with the fast kernels of ``flash-linear-attention`` (import name ``fla``)
-and ``causal-conv1d`` when they import, and otherwise silently falls back to a
-pure-PyTorch reference that is correct but far slower. On CUDA that fallback
-would waste the GPU, so :func:`preflight_kernels` refuses to start a hybrid
-target without both kernels (:class:`KernelPreflightError`) unless the user
-allows slow kernels. On CPU the reference path is the only one (the kernels need
-CUDA, and triton on a CPU-only machine breaks transformers' forward), so it is
-used and logged once.
+and ``causal-conv1d`` when they import, and otherwise silently falls back to
+pure PyTorch, function by function (transformers 5 resolves each kernel on its own).
+The gated-delta-rule fallback is a correct but far slower reference: on CUDA it
+would waste the GPU, so :func:`preflight_kernels` refuses to start a hybrid target
+without a working ``fla`` (:class:`KernelPreflightError`) unless the user allows
+slow kernels. The causal-conv1d fallback is one depthwise ``F.conv1d``, cheap next
+to the rest of the layer, so a missing or broken ``causal-conv1d`` is only a
+warning. On CPU the reference path is the only one (the kernels need CUDA, and
+triton on a CPU-only machine breaks transformers' forward), so it is used and
+logged once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dflash_staged.errors import DflashError
 log = logging.getLogger(__name__)
 
 HYBRID_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
-# (import name, pip distribution, attributes the model needs)
+# (import name, pip distribution, attributes the model needs, required: whether its absence refuses)
 _KERNELS = (
     (
         "fla",
@@ -32,11 +35,13 @@ _KERNELS = (
             "fla.ops.gated_delta_rule.chunk_gated_delta_rule",
             "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
         ),
+        True,
     ),
     (
         "causal_conv1d",
         "causal-conv1d",
         ("causal_conv1d.causal_conv1d_fn", "causal_conv1d.causal_conv1d_update"),
+        False,
     ),
 )
 _cpu_logged = False
@@ -82,9 +87,11 @@ def _smoke(package: str, fns: dict, device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
-def _kernel_problems(device: torch.device) -> list[str]:
-    problems = []
-    for package, dist, paths in _KERNELS:
+def _kernel_problems(device: torch.device) -> tuple[list[str], list[str]]:
+    """(problems of the required kernels, problems of the optional ones)."""
+    required, optional = [], []
+    for package, dist, paths, needed in _KERNELS:
+        problems = required if needed else optional
         try:
             fns = {p.rsplit(".", 1)[1]: _resolve(p) for p in paths}
         except Exception as e:  # ImportError, AttributeError, or a broken triton/CUDA build
@@ -94,16 +101,16 @@ def _kernel_problems(device: torch.device) -> list[str]:
             _smoke(package, fns, device)
         except Exception as e:
             problems.append(f"{dist} (imported but its kernel failed on {device}: {type(e).__name__}: {e})")
-    return problems
+    return required, optional
 
 
 def preflight_kernels(model_config, device, allow_slow: bool = False) -> None:
     """Check that a hybrid target has its fast kernels on CUDA; see the module docstring.
 
-    Dense targets always pass. On CUDA, a hybrid target without importable and
-    working ``fla`` and ``causal_conv1d`` raises :class:`KernelPreflightError`,
-    or logs a warning when ``allow_slow`` is set. On CPU it logs once that the
-    reference fallbacks are in use.
+    Dense targets always pass. On CUDA, a hybrid target without an importable and
+    working ``fla`` raises :class:`KernelPreflightError`, or logs a warning when
+    ``allow_slow`` is set; without a working ``causal_conv1d`` it logs a warning. On
+    CPU it logs once that the reference fallbacks are in use.
     """
     global _cpu_logged
     if not is_hybrid_config(model_config):
@@ -118,7 +125,15 @@ def preflight_kernels(model_config, device, allow_slow: bool = False) -> None:
             )
             _cpu_logged = True
         return
-    problems = _kernel_problems(device)
+    problems, optional = _kernel_problems(device)
+    if optional:
+        log.warning(
+            "hybrid target on %s without the causal-conv1d kernel: %s. transformers uses its PyTorch "
+            "depthwise conv1d instead (correct, a small cost next to the rest of the layer); "
+            "pip install 'dflash-staged[cuda]' for the fused kernel",
+            device,
+            "; ".join(optional),
+        )
     if not problems:
         return
     what = "; ".join(problems)

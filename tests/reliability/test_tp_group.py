@@ -6,13 +6,19 @@
 * ``kill -9`` of the follower mid-run: the supervisor stops the whole group at once, the job goes
   back to pending without counting as an error (given back by the leader, or reclaimed from its
   dead pid: never by lease expiry), the group is restarted and the run completes, no process is
-  left behind, and every shard equals the TP=1 forward (MoE ``tiny:qwen3_moe``).
+  left behind, and every shard equals the TP=1 forward (MoE ``tiny:qwen3_moe``);
+* a forward that raises on one rank only (the fault hook ``forward_error``: out of memory on the
+  leader, an error on a follower) ends that process at once, with no further collective: the
+  group is restarted long before any collective timeout (set far beyond the test's own) and the
+  run completes; the leader's own out-of-memory counts an attempt on the job, with the message
+  naming the setting to lower.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -25,8 +31,8 @@ from dflash_staged.manifest import Manifest
 from dflash_staged.model.target import load_target, pack_unpadded, pad_batch
 from dflash_staged.store import ShardStore
 
-from helpers import dflash, plan, run_dflash, write_config, write_dataset
-from rel_helpers import assert_exactly_once, scan_store
+from helpers import dflash, plan, run, run_dflash, write_config, write_dataset
+from rel_helpers import assert_exactly_once, hooked_env, scan_store
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 
@@ -140,6 +146,62 @@ def test_kill9_of_a_follower_stops_the_group_and_the_run_completes(tmp_path):
     assert {leader, victim} <= seen and len(seen) >= 4, seen
     assert all(_gone(pid) for pid in seen), [pid for pid in seen if not _gone(pid)]
     assert_matches_tp1(mdir, store)
+
+
+@pytest.mark.parametrize("rank,error", [(0, "oom"), (1, "runtime")])
+def test_a_forward_that_raises_on_one_rank_restarts_the_group_without_waiting(tmp_path, rank, error):
+    # extract.lease_s (and so the group's collective timeout) is far beyond this test's timeout: a
+    # rank left in a mismatched collective would hang the test rather than end it
+    mdir = plan(tmp_path, n=16, extra=EXTRA + "[extract]\nlease_s = 3600\n")
+    store, flag = tmp_path / "store", tmp_path / "fail-once"
+    flag.write_text("")
+    hooks = hooked_env(forward_error={"flag": str(flag), "rank": rank, "error": error})
+    args = ["extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--tp", "2"]
+    r = run([*args, "--window", "64"], environ=hooks, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert not flag.exists()  # the injected failure happened
+    assert "failed in a forward (exit code 4)" in out, out[-3000:]  # names the first rank of those
+    said = (
+        re.compile(
+            r"rank 0 of a tensor-parallel group of 2: the forward of job \d+ failed \(out of memory on cpu"
+        )
+        if rank == 0
+        else re.compile(
+            r"rank 1 of a tensor-parallel group of 2: the forward failed \(RuntimeError: injected"
+        )
+    )
+    assert said.search(out), out[-3000:]
+    assert "restarting it (1 of 3)" in out and "Traceback" not in out, out[-3000:]
+    with Manifest.open(mdir, readonly=True) as m:
+        assert m.counts()["written"] == sum(m.counts().values())
+        back = [
+            e for e in m.events() if e["job"] is not None and e["kind"] in ("error", "abandon", "reclaim")
+        ]
+        assert back, "the job of the failed forward never went back to pending"
+        if rank == 0:  # the leader records its own failure (an attempt), naming the setting to lower
+            (err,) = [e for e in back if e["kind"] == "error"]
+            assert "out of memory on cpu" in err["detail"] and "data.token_budget" in err["detail"]
+            assert f"job {err['job']}: out of memory on cpu" in out  # said at once, not only at the end
+        else:  # gloo reports the follower's exit to the leader as a RuntimeError: not counted on the job
+            assert not [e for e in back if e["kind"] == "error"], back
+    assert scan_store(store)["temps"] == []
+    assert_matches_tp1(mdir, store)
+
+
+def test_a_forward_that_always_fails_restarts_the_group_three_times_in_a_row_then_stops(tmp_path):
+    mdir = plan(tmp_path, n=16, extra=EXTRA + "[extract]\nlease_s = 3600\nmax_attempts = 1\n")
+    flag = tmp_path / "always"
+    flag.write_text("")
+    hooks = hooked_env(forward_error={"flag": str(flag), "rank": 0, "error": "oom", "keep": True})
+    args = ["extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu,cpu", "--tp", "2"]
+    r = run(args, environ=hooks, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-4000:]
+    assert [f"restarting it ({i} of 3)" in out for i in (1, 2, 3)] == [True] * 3, out[-3000:]
+    assert out.count("failed in a forward (exit code 4)") == 4 and "not restarting it" in out, out[-3000:]
+    with Manifest.open(mdir, readonly=True) as m:  # each start failed one job (max_attempts = 1), no more
+        assert m.counts()["failed"] == 4 and m.counts()["written"] == 0
 
 
 def test_a_failure_while_loading_stops_the_whole_group_before_any_claim(tmp_path):

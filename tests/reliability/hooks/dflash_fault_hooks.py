@@ -25,6 +25,11 @@ Keys (all optional):
   released), ``consume`` (step marked consumed, not yet logged or checkpointed), ``manifest_npy``
   (`dflash plan` has written one of the manifest's sample arrays under its temporary name).
 * ``crash_after``: ``{point: n}``: SIGKILL this process at the n-th time it reaches ``point``.
+* ``forward_error``: ``{"flag": path, "rank": r, "error": "oom" | "runtime", "keep": false}``.
+  While that file exists, the next target forward (``Target.capture``) on tensor-parallel rank
+  ``r`` (``$RANK``; 0 outside a group) removes it (with ``keep``: leaves it, so every forward
+  fails) and raises ``torch.OutOfMemoryError`` or ``RuntimeError``: a failed forward, on one rank,
+  before its collectives (as the leader's allocation of the full tap buffer would fail).
 * ``die_holding_status_lock``: true. Extract worker 0 takes its status queue's write lock and
   SIGKILLs itself before working (a worker killed halfway through a report); every other worker
   sends one more report as it ends.
@@ -190,6 +195,30 @@ class FakeTarget:
         return input_ids.float().view(B, L, 1, 1) * (k + 1) + h / 2
 
 
+def _patch_target_taps(mod) -> None:
+    real = mod.Target.capture
+
+    def capture(self, *a, **kw):
+        spec = CFG["forward_error"]
+        if int(os.environ.get("RANK", "0")) == int(spec.get("rank", 0)):
+            try:
+                if spec.get("keep"):
+                    os.stat(spec["flag"])
+                else:
+                    os.remove(spec["flag"])  # only the process that removes it fails
+            except FileNotFoundError:
+                pass
+            else:
+                import torch
+
+                if spec.get("error", "runtime") == "oom":
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+                raise RuntimeError("injected forward failure")
+        return real(self, *a, **kw)
+
+    mod.Target.capture = capture
+
+
 def _patch_target(mod) -> None:
     fake = CFG["fake_target"]
 
@@ -241,6 +270,7 @@ _PATCHES = {
     "dflash_staged.manifest.postgres": (_patch_manifest_pg, _crashes),
     "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
     "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG),
+    "dflash_staged.model.target_taps": (_patch_target_taps, lambda: "forward_error" in CFG),
     "dflash_staged.extract.worker": (_patch_extract_worker, lambda: "die_holding_status_lock" in CFG),
 }
 
