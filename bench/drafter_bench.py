@@ -150,13 +150,13 @@ def variant(name: str):
 
 
 def attention_of(name: str, m, made: list):
-    def build(pk, windows):
+    def build(pk, kinds):
         if name == "flex":
             from dflash_staged.model.flex_blocks import FlexBlocks
 
-            blocks = FlexBlocks(pk, windows)
+            blocks = FlexBlocks(pk, kinds)
         else:
-            blocks = SdpaBlocks(pk, m.dcfg.num_attention_heads, windows, cut_keys=name != "today")
+            blocks = SdpaBlocks(pk, m.dcfg.num_attention_heads, kinds, cut_keys=name != "today")
         made.append(blocks)
         return blocks
 
@@ -244,9 +244,9 @@ def attention_main(a) -> None:
         sync(a)
         first = time.perf_counter() - t0
         pk = made[0].pk
-        windows = [layer.self_attn.window for layer in m.layers]
-        needed = sum(pk.needed_pairs(w) for w in windows)
-        computed = made[0].computed if name != "flex" else sum(made[0].computed_pairs(w) for w in windows)
+        kinds = [layer.self_attn.kind for layer in m.layers]
+        needed = sum(pk.needed_pairs(k) for k in kinds)
+        computed = made[0].computed if name != "flex" else sum(made[0].computed_pairs(k) for k in kinds)
         res[name] = {
             "first_call_s": first,
             "attn_gflop_computed": computed * pair_flops / 1e9,

@@ -99,7 +99,7 @@ def run(
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        stats = forward_backward(model, mbs, dev, 0.0)
+        stats = forward_backward(model, mbs, dev, model.knobs(0, 1))
         optim.step(1e-4, stats["weight_sum"])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

@@ -212,9 +212,10 @@ def make_drafter(
     inter=None,
     head_dim=None,
     device="cpu",
+    **dcfg_fields,
 ):
     """A float32 drafter with random embedding, head and (non-trivial) norms, reproducible from ``seed``
-    (``device="meta"``: shapes only)."""
+    (``device="meta"``: shapes only); ``dcfg_fields`` set other config fields (``architecture``...)."""
     from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
 
     dcfg = DraftModelConfig(
@@ -231,6 +232,7 @@ def make_drafter(
         mask_token_id=vocab - 1,
         dtype="float32",
         rope_theta=10000.0,
+        **dcfg_fields,
     )
     if device == "meta":
         with torch.device("meta"):

@@ -19,10 +19,10 @@ LENGTHS = [23, 9, 31]
 ANCHORS = torch.tensor([40, 0, 23, 5, 31, 32, 62, 1, 22, 60, 50, 17])  # unsorted; starts, ends, past the end
 
 
-def with_layers(m, layer_types, window):
+def with_layers(m, layer_types, window, is_causal=None):
     """The same weights with other layer kinds."""
     out = DFlashDrafter(
-        dataclasses.replace(m.dcfg, layer_types=layer_types, sliding_window=window),
+        dataclasses.replace(m.dcfg, layer_types=layer_types, sliding_window=window, is_causal=is_causal),
         m.embed_weight,
         m.lm_head_weight,
     )
@@ -34,12 +34,16 @@ def sees_context(p, a, q, w):  # the rule, as the docs state it
     return p < a and (w == 0 or p > a + q - w)
 
 
-def sees_block(k, q, w):
-    return w == 0 or k <= q
+def sees_block(k, q, w, causal=None):
+    """The reference's rule: causal per is_causal (default: sliding layers), and a sliding layer's
+    query and key within the window of each other."""
+    causal = w > 0 if causal is None else causal
+    return (k <= q or not causal) and (w == 0 or abs(q - k) < w)
 
 
+@pytest.mark.parametrize("causal", [None, True, False])
 @pytest.mark.parametrize("w", [0, 1, 3, 7])
-def test_rule_against_brute_force(w):
+def test_rule_against_brute_force(w, causal):
     B, L = 5, 14
     p = torch.arange(L)[None, None, :]
     a = torch.arange(L)[:, None, None]
@@ -49,20 +53,21 @@ def test_rule_against_brute_force(w):
         [[[sees_context(pp, aa, qq, w) for pp in range(L)] for qq in range(B)] for aa in range(L)]
     )
     assert torch.equal(got.expand_as(want), want)
-    got_b = block_visible(torch.arange(B)[None], torch.arange(B)[:, None], w)
-    assert torch.equal(got_b, torch.tensor([[sees_block(k, qq, w) for k in range(B)] for qq in range(B)]))
+    got_b = block_visible(torch.arange(B)[None], torch.arange(B)[:, None], w, causal)
+    want_b = torch.tensor([[sees_block(k, qq, w, causal) for k in range(B)] for qq in range(B)])
+    assert torch.equal(got_b, want_b)
 
 
-@pytest.mark.parametrize("w", [0, 4])
-def test_flex_mask_against_brute_force(w):
+@pytest.mark.parametrize("w,causal", [(0, False), (4, True), (0, True), (4, False), (2, False)])
+def test_flex_mask_against_brute_force(w, causal):
     from torch.nn.attention.flex_attention import create_mask
 
     B = 4
     cu = torch.tensor([0, 7, 10, 18])
     anchors = torch.tensor([12, 0, 6, 9, 3, 17])
     pk = Packing.of(cu, anchors, B, 18)
-    fb = FlexBlocks(pk, {w})
-    dense = create_mask(fb._mask_mod(w), 1, 1, fb.Q, fb.KV, device="cpu")[0, 0]
+    fb = FlexBlocks(pk, {(w, causal)})
+    dense = create_mask(fb._mask_mod((w, causal)), 1, 1, fb.Q, fb.KV, device="cpu")[0, 0]
     seq = torch.searchsorted(cu, torch.arange(18), right=True) - 1
     srt = anchors.sort().values.tolist()
     want = torch.zeros(fb.Q, fb.KV, dtype=torch.bool)
@@ -72,7 +77,7 @@ def test_flex_mask_against_brute_force(w):
                 if seq[t] == seq[a]:
                     want[i * B + q, t] = sees_context(t - cu[seq[t]], a - cu[seq[a]], q, w)
             for k in range(B):
-                want[i * B + q, fb.T_pad + i * B + k] = sees_block(k, q, w)
+                want[i * B + q, fb.T_pad + i * B + k] = sees_block(k, q, w, causal)
     assert torch.equal(dense, want)
     assert fb.T_pad == bucket(18) == 128 and fb.Q % B == 0
 
@@ -96,7 +101,7 @@ def brute_force_logits(m, hidden, ids, a):
         out = torch.zeros(B, at.nh, at.hd)
         for qo in range(B):
             keys = [(kc[p], vc[p]) for p in range(L) if sees_context(p, a, qo, at.window)]
-            keys += [(kb[k], vb[k]) for k in range(B) if sees_block(k, qo, at.window)]
+            keys += [(kb[k], vb[k]) for k in range(B) if sees_block(k, qo, at.window, at.causal)]
             K, V = torch.stack([k for k, _ in keys]), torch.stack([v for _, v in keys])
             for hh in range(at.nh):
                 out[qo, hh] = torch.softmax(K[:, hh // g] @ q[qo, hh] / at.hd**0.5, 0) @ V[:, hh // g]
@@ -106,16 +111,18 @@ def brute_force_logits(m, hidden, ids, a):
 
 
 @pytest.mark.parametrize(
-    "layer_types,window",
+    "layer_types,window,is_causal",
     [
-        (None, None),
-        (["sliding_attention", "full_attention"], 5),
-        (["sliding_attention", "sliding_attention"], 2),
+        (None, None, None),
+        (["sliding_attention", "full_attention"], 5, None),
+        (["sliding_attention", "sliding_attention"], 2, None),
+        (["sliding_attention", "full_attention"], 3, False),  # the released DFlash2 drafters' setting
+        (["sliding_attention", "full_attention"], 3, True),
     ],
 )
-def test_every_path_against_brute_force(layer_types, window):
+def test_every_path_against_brute_force(layer_types, window, is_causal):
     m = make_drafter(block=4)
-    m = with_layers(m, layer_types, window) if layer_types else m.eval()
+    m = with_layers(m, layer_types, window, is_causal) if layer_types else m.eval()
     b = packed_batch(LENGTHS)
     cu = b["cu_seqlens"].tolist()
     with torch.no_grad():
@@ -171,8 +178,8 @@ def test_cut_keys_change_nothing_but_the_work():
     made = {}
 
     def variant(cut):
-        def build(pk, windows):
-            made[cut] = SdpaBlocks(pk, m.dcfg.num_attention_heads, windows, cut_keys=cut)
+        def build(pk, kinds):
+            made[cut] = SdpaBlocks(pk, m.dcfg.num_attention_heads, kinds, cut_keys=cut)
             return made[cut]
 
         return build
@@ -265,12 +272,13 @@ def test_each_new_flex_shape_is_logged_once_and_the_recompile_limits_follow(monk
     monkeypatch.setattr(flex_blocks, "_shapes", set())
     monkeypatch.setattr(cfg, "recompile_limit", 8)
     monkeypatch.setattr(cfg, "accumulated_recompile_limit", 256)
-    assert flex_blocks.note_shape(16384, 8192, 16, 0) and not flex_blocks.note_shape(16384, 8192, 16, 0)
-    assert flex_blocks.note_shape(16384, 8192, 16, 4096)  # another layer kind: another compile
+    full, sliding = (0, False), (4096, True)
+    assert flex_blocks.note_shape(16384, 8192, 16, full) and not flex_blocks.note_shape(16384, 8192, 16, full)
+    assert flex_blocks.note_shape(16384, 8192, 16, sliding)  # another layer kind: another compile
     err = capsys.readouterr().err
     assert err.count("flex_attention: compiling shape") == 2 and "window full" in err and "window 4096" in err
     assert cfg.recompile_limit == cfg.accumulated_recompile_limit == flex_blocks.RECOMPILE_LIMIT
     for i in range(200):  # past the static limit, the limits keep above twice the shapes seen
-        flex_blocks.note_shape(128, 128 * (i + 2), 16, 0)
+        flex_blocks.note_shape(128, 128 * (i + 2), 16, full)
     capsys.readouterr()
     assert cfg.recompile_limit >= 2 * len(flex_blocks._shapes) and cfg.accumulated_recompile_limit >= 404

@@ -84,7 +84,7 @@ def _grads(drafter, mbs, normalise_per_microbatch=False):
             (loss / len(mbs)).backward()
         optim.reduce_gradients()
     else:
-        stats = forward_backward(model, mbs, torch.device("cpu"), 0.0)
+        stats = forward_backward(model, mbs, torch.device("cpu"), model.knobs(0, 1))
         optim.reduce_gradients(stats["weight_sum"])
     return {n: p.grad.clone() for n, p in model.params.items()}
 

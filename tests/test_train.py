@@ -54,8 +54,12 @@ def kept(extracted, tmp_path_factory):
     return d
 
 
-def test_side_by_side(tmp_path):
-    mdir = plan(tmp_path, n=40, epochs=1, extra=EXTRA)
+DFLASH2 = '[drafter]\narchitecture = "dflash2"\nis_causal = false\nselector_rank = 32\nselector_top_k = 8\n'
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_side_by_side(tmp_path, arch):
+    mdir = plan(tmp_path, n=40, epochs=1, extra=EXTRA + (DFLASH2 if arch == "dflash2" else ""))
     store, run = tmp_path / "store", tmp_path / "run"
     ex = dflash("extract", "--manifest", mdir, "--store", store, "--devices", "cpu,cpu", "--window", "16")
     tr = dflash("train", "--manifest", mdir, "--store", store, "--out", run)
@@ -76,6 +80,12 @@ def test_side_by_side(tmp_path):
         if x["bucket_choices"] >= 2 and len(x["jobs"]) >= 2:
             assert len(set(x["buckets"])) >= 2, x
     assert any(len(set(x["buckets"])) >= 2 for x in lines)
+    cfg = json.loads((latest_checkpoint(run) / "config.json").read_text())
+    if arch == "dflash2":  # the selector's metrics, and a servable DFlash2 checkpoint
+        assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["is_causal"] is False
+        assert all(1 <= x["walk_tau"] <= 8 and len(x["topk_recall"]) == 7 for x in lines)
+    else:
+        assert cfg["architectures"] == ["DFlashDraftModel"] and "walk_tau" not in lines[0]
 
 
 def test_drain_with_fewer_than_min_ready(tmp_path):

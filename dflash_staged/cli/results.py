@@ -68,6 +68,36 @@ from dflash_staged.errors import user_errors
     default=None,
     help="A Jinja chat template file replacing the recorded (or the tokenizer's) template.",
 )
+@click.option(
+    "--temperature",
+    "temperatures",
+    default="0",
+    show_default=True,
+    metavar="T[,T...]",
+    help="Sampling temperature; 0 = greedy. Several, comma-separated (e.g. 0,1), decode every prompt once "
+    "per temperature and report each.",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Nucleus sampling of the target at T > 0 (1 = off).",
+)
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Top-k sampling of the target at T > 0 (0 = off).",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the sampling generators at T > 0 (each prompt draws from its own).",
+)
 @user_errors
 def eval_cmd(
     drafter_path,
@@ -82,14 +112,21 @@ def eval_cmd(
     out_path,
     chat_kwargs,
     chat_template,
+    temperatures,
+    top_p,
+    top_k,
+    seed,
 ):
-    """Greedy speculative decoding with the target: acceptance length tau, tokens/s vs plain greedy."""
+    """Speculative decoding with the target, greedy or sampled (lossless rejection sampling):
+    acceptance length tau, tokens/s vs plain decoding."""
     import json
 
     from dflash_staged.evaluate.report import format_report, run_eval
+    from dflash_staged.evaluate.sampling import SamplingSettings
     from dflash_staged.fsutil import write_json_atomic
 
     kwargs = parse_json_object(chat_kwargs, "--chat-template-kwargs")
+    sampling = [SamplingSettings(t, top_p, top_k, seed) for t in _temperatures(temperatures)]
     report = run_eval(
         drafter_path,
         target_spec,
@@ -100,6 +137,7 @@ def eval_cmd(
         baseline=not no_baseline,
         chat_template_kwargs=kwargs,
         chat_template=chat_template,
+        sampling=sampling,
     )
     if plot_path:
         from dflash_staged.evaluate.plot import plot_eval
@@ -108,6 +146,24 @@ def eval_cmd(
     if out_path:
         write_json_atomic(out_path, report)
     click.echo(json.dumps(report) if as_json else format_report(report))
+
+
+def _temperatures(text: str) -> list[float]:
+    """``--temperature``'s comma-separated list: distinct numbers >= 0, in the order given."""
+    out: list[float] = []
+    for part in text.split(","):
+        try:
+            t = float(part)
+        except ValueError:
+            t = -1.0
+        if not t >= 0 or t == float("inf"):
+            raise click.BadParameter(
+                f"{part.strip()!r} is not a temperature: give numbers >= 0, comma-separated (0 = greedy)",
+                param_hint="--temperature",
+            )
+        if t not in out:
+            out.append(t)
+    return out
 
 
 @click.command("plot")

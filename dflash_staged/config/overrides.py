@@ -28,6 +28,12 @@ REPLAY_OVERRIDABLE = {
         "init",
         "layer_types",
         "sliding_window",
+        "is_causal",
+        "architecture",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
     },
     "train": {f.name for f in fields(TrainConfig)},
 }

@@ -174,8 +174,43 @@ class DrafterConfig:
     # included): see dflash_staged/model/block_attention.py.
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int = 0  # positions a sliding layer sees, its own included (set it with such layers)
+    # Whether a layer's queries see later offsets of their own block: "auto" = the serving engines'
+    # default (sliding layers causal, full layers bidirectional); true/false = every layer, written
+    # to config.json as the top-level is_causal so that serving masks the block as training did.
+    is_causal: bool | str = "auto"
+    # "dflash" (DFlashDraftModel) or "dflash2" (DFlash2DraftModel: in-block convolutions and the
+    # candidate selector, see dflash_staged/model/dflash2.py); the four fields below are DFlash2's.
+    architecture: str = "dflash"
+    conv_kernel_size: int = 2  # taps of the in-block convolutions (1..block_size)
+    conv_group_size: int = 16  # channels sharing one dynamic kernel coefficient (divides the hidden size)
+    selector_rank: int = 256  # rank of the selector's predecessor x hidden x successor term
+    selector_top_k: int = 16  # candidates per block position the selector chooses among
+    # A target's own logit scaling, applied to the drafter's logits wherever they are formed (loss
+    # included): u = s * tanh(m * logit / s) with s = final_logit_softcapping > 0, else m * logit.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
+        _check(
+            self.is_causal in (True, False, "auto"),
+            f'drafter.is_causal={self.is_causal!r}: use true, false or "auto"',
+        )
+        _check(
+            self.architecture in ("dflash", "dflash2"),
+            f'drafter.architecture={self.architecture!r}: use "dflash" or "dflash2"',
+        )
+        _check(
+            1 <= self.conv_kernel_size <= self.block_size,
+            f"drafter.conv_kernel_size={self.conv_kernel_size}: use 1..block_size ({self.block_size})",
+        )
+        _check(
+            self.conv_group_size >= 1 and self.selector_rank >= 1 and self.selector_top_k >= 1,
+            "drafter.conv_group_size, selector_rank and selector_top_k must be >= 1",
+        )
+        _check(
+            self.output_multiplier > 0 and self.final_logit_softcapping >= 0,
+            "drafter.output_multiplier must be > 0 and final_logit_softcapping >= 0 (0 = none)",
+        )
         _check(
             self.num_hidden_layers >= 1, f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1"
         )
@@ -232,6 +267,17 @@ class TrainConfig:
     # Attention in training: "flex" (block-sparse flex_attention, CUDA), "sdpa" (dense masks), or
     # "auto" = flex on CUDA, sdpa elsewhere. See dflash_staged/model/flex_blocks.py.
     attention: str = "auto"
+    # Loss weight per block offset: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE: detached weights
+    # from the drafter's own probability of each label, smoothed by dpace_alpha; see train/objective.py).
+    position_weights: str = "decay"
+    dpace_alpha: float = 0.5
+    # DFlash2 only: weight of the selector's top-k cross-entropy, 0 for the first selector_warmup_ratio
+    # of the steps, then ramped linearly over selector_ramp_ratio; with selector_stop_gradient the
+    # selector term trains only the selector (the backbone learns from the DFlash term alone).
+    selector_alpha: float = 1.0
+    selector_warmup_ratio: float = 0.0
+    selector_ramp_ratio: float = 0.0
+    selector_stop_gradient: bool = False
     seed: int = 0  # seeds the drafter's initial weights, the anchors drawn and the order shards are drawn in
 
     def __post_init__(self) -> None:
@@ -270,6 +316,18 @@ class TrainConfig:
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _check(self.log_every >= 1, "train.log_every must be >= 1")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
+        _check(
+            self.position_weights in ("decay", "dpace"),
+            f"train.position_weights={self.position_weights!r}: use decay or dpace",
+        )
+        _check(0 <= self.dpace_alpha <= 1, f"train.dpace_alpha={self.dpace_alpha}: use a value in [0, 1]")
+        _check(self.selector_alpha >= 0, f"train.selector_alpha={self.selector_alpha}: must be >= 0")
+        _check(
+            0 <= self.selector_warmup_ratio
+            and 0 <= self.selector_ramp_ratio
+            and self.selector_warmup_ratio + self.selector_ramp_ratio <= 1,
+            "train.selector_warmup_ratio and selector_ramp_ratio must be >= 0 and sum to at most 1",
+        )
         _check(
             self.attention in ATTENTION_CHOICES,
             f"train.attention={self.attention!r}: use one of {', '.join(ATTENTION_CHOICES)}",

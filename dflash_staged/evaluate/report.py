@@ -2,8 +2,18 @@
 target it names (tapped layers from the drafter's ``config.json``) and the prompts
 (:mod:`dflash_staged.evaluate.prompts`), decodes every prompt speculatively
 (:mod:`dflash_staged.evaluate.speculative`, whose docstring is the contract) and with plain
-greedy decoding, and reports tau, per-position rates, the accepted-length histogram, tokens/s
-and whether the outputs are identical.
+decoding, and reports tau, per-position rates, the accepted-length histogram, tokens/s
+and (greedy) whether the outputs are identical.
+
+Sampling settings (:class:`~dflash_staged.evaluate.sampling.SamplingSettings`): each setting is one
+decoding of every prompt, a *run*; ``sampling`` in a run states it (``mode`` ``greedy`` at
+temperature 0, else ``sampled`` with ``temperature``, ``top_p``, ``top_k``, ``seed``). A sampled
+run draws each prompt from its own generator (seeded from ``seed`` and the prompt's line, so a
+prompt's draws do not depend on which prompts run with it); its baseline is plain sampling at the
+same settings, compared for tokens/s only (sampled outputs are not expected to be identical; the
+rejection sampler is lossless by construction and tested so). With several settings the report's
+top level is the first run and ``runs`` lists every run (``dflash eval --temperature 0,1``: greedy
+and T=1 tau from one load of the models).
 
 Two taus, each named (both count the bonus token, as the reference does):
 
@@ -13,11 +23,13 @@ Two taus, each named (both count the bonus token, as the reference does):
   generations more.
 
 Comparing with published figures: the reference benchmark (z-lab ``dflash.benchmark``)
-decodes greedily with ``--max-new-tokens 2048`` (our default), the target's chat template and
-benchmark prompts (gsm8k, math500, humaneval, mbpp, mt-bench), on GPU in bf16, and prints the
-per-prompt mean. A figure from it compares with ``tau_per_prompt_mean`` here only for the same
-target, drafter, prompts and length: tau depends on all of them, on the prompts most, and a
-shorter ``--max-new-tokens`` measures only the start of each answer. Here the last block is
+decodes greedily by default, or at the sampling settings it is given (the DFlash2 release quotes
+``--temperature 1 --top-p 0.95 --top-k 20``), with ``--max-new-tokens 2048`` (our default), the
+target's chat template and benchmark prompts (gsm8k, math500, humaneval, mbpp, mt-bench), on GPU
+in bf16, and prints the per-prompt mean. A figure from it compares with ``tau_per_prompt_mean``
+here only for the same target, drafter, prompts, length and sampling settings: tau depends on all
+of them, on the prompts most, and a shorter ``--max-new-tokens`` measures only the start of each
+answer. Here the last block is
 shortened so no more than ``--max-new-tokens`` are committed and a stop token ends the count,
 where the reference counts the whole last block: at most one step per prompt differs.
 """
@@ -32,6 +44,7 @@ import torch
 
 from dflash_staged.errors import DflashError
 from dflash_staged.evaluate.prompts import chat_options, load_prompts
+from dflash_staged.evaluate.sampling import Sampler, SamplingSettings, label_of
 from dflash_staged.evaluate.speculative import (
     DrafterProposer,
     acceptance_stats,
@@ -60,11 +73,14 @@ def run_eval(
     quiet: bool = False,
     chat_template_kwargs: dict | None = None,
     chat_template: str | Path | None = None,
+    sampling: SamplingSettings | list[SamplingSettings] | None = None,
 ) -> dict:
     """Speculative decoding of every prompt (and plain greedy, unless ``baseline=False``): the report.
 
     Prompts are rendered with the chat options of :func:`~dflash_staged.evaluate.prompts.chat_options`
     (the checkpoint's record, updated by `chat_template_kwargs`, template replaced by `chat_template`).
+    ``sampling``: one setting or several (default greedy); each is one decoding of every prompt, and
+    the report's top level is the first one's, with ``runs`` listing all of them when there are several.
     """
     from dflash_staged.config import target_from_spec
     from dflash_staged.model.dims import target_dims
@@ -113,14 +129,55 @@ def run_eval(
     stop = stop_token_ids(target.model, tok_cache[0] if tok_cache else None)
     proposer = DrafterProposer(drafter)
     greedy_generate(target, prompts[0][1], 2, stop)  # warm-up: first-call overheads stay out of the timings
+    runs = [
+        _decode_all(target, proposer, prompts, max_new_tokens, stop, s, baseline, quiet)
+        for s in _settings_list(sampling)
+    ]
+    report = dict(runs[0])
+    if len(runs) > 1:
+        report["runs"] = runs
+    report.update(
+        drafter=str(ckpt),
+        target=tcfg.model,
+        target_layer_ids=list(dcfg.target_layer_ids),
+        prompts_file=str(prompts_path),
+        device=str(device),
+        dtype=str(target.dtype).replace("torch.", ""),
+        stop_token_ids=stop,
+        chat={"kwargs": chat.kwargs, "template": chat.template_path or None, "from": chat_source},
+    )
+    return report
+
+
+def _settings_list(sampling) -> list[SamplingSettings]:
+    if sampling is None:
+        return [SamplingSettings()]
+    out = [sampling] if isinstance(sampling, SamplingSettings) else list(sampling)
+    if not out:
+        raise DflashError("--temperature: give at least one temperature (0 = greedy)")
+    return out
+
+
+def prompt_seed(seed: int, line: int) -> int:
+    """The generator seed of one prompt: its own stream, the same whichever prompts run with it."""
+    return (int(seed) * 1_000_003 + int(line)) % (2**63)
+
+
+def _decode_all(target, proposer, prompts, max_new_tokens, stop, settings, baseline, quiet) -> dict:
+    """Every prompt speculatively (and plainly, with ``baseline``) at one sampling setting: its run."""
+    block = proposer.block_size
+    spec, plain = Sampler(settings), Sampler(settings)
     accepted_all: list[int] = []
-    spec_tok = spec_s = greedy_tok = greedy_s = 0.0
+    spec_tok = spec_s = base_tok = base_s = 0.0
     identical = 0
     per_prompt = []
     prompt_taus: list[float] = []
+    label = settings.label()
     for i, (line, ids) in enumerate(prompts):
+        spec.reseed(prompt_seed(settings.seed, line))
+        plain.reseed(prompt_seed(settings.seed, line))
         t = time.perf_counter()
-        out = speculative_generate(target, proposer, ids, max_new_tokens, stop)
+        out = speculative_generate(target, proposer, ids, max_new_tokens, stop, sampler=spec)
         dt = time.perf_counter() - t
         spec_tok, spec_s = spec_tok + len(out.tokens), spec_s + dt
         accepted_all += out.accepted
@@ -135,20 +192,23 @@ def run_eval(
         }
         if baseline:
             t = time.perf_counter()
-            ref = greedy_generate(target, ids, max_new_tokens, stop)
+            ref = greedy_generate(target, ids, max_new_tokens, stop, sampler=plain)
             dt = time.perf_counter() - t
-            greedy_tok, greedy_s = greedy_tok + len(ref), greedy_s + dt
-            rec.update(greedy_s=round(dt, 3), identical=ref == out.tokens)
-            identical += ref == out.tokens
+            base_tok, base_s = base_tok + len(ref), base_s + dt
+            rec.update(baseline_s=round(dt, 3))
+            if settings.greedy:
+                rec.update(greedy_s=round(dt, 3), identical=ref == out.tokens)
+                identical += ref == out.tokens
         per_prompt.append(rec)
         _say(
-            f"prompt {i + 1}/{len(prompts)} (line {line}): {len(out.tokens)} tokens, tau {rec['tau']:.2f}"
-            + (f", same as greedy: {rec['identical']}" if baseline else ""),
+            f"{label}: prompt {i + 1}/{len(prompts)} (line {line}): {len(out.tokens)} tokens, "
+            f"tau {rec['tau']:.2f}" + (f", same as greedy: {rec['identical']}" if "identical" in rec else ""),
             quiet,
         )
-    report = {
-        **acceptance_stats(accepted_all, dcfg.block_size),
-        "block_size": dcfg.block_size,
+    run = {
+        **acceptance_stats(accepted_all, block),
+        "sampling": settings.describe(),
+        "block_size": block,
         "tau_per_prompt_mean": sum(prompt_taus) / len(prompt_taus) if prompt_taus else 0.0,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -159,47 +219,51 @@ def run_eval(
         },
     }
     if baseline:
-        report["greedy"] = {
-            "tokens": int(greedy_tok),
-            "seconds": round(greedy_s, 3),
-            "tokens_per_s": round(greedy_tok / max(greedy_s, 1e-9), 2),
+        run["baseline"] = {
+            "tokens": int(base_tok),
+            "seconds": round(base_s, 3),
+            "tokens_per_s": round(base_tok / max(base_s, 1e-9), 2),
         }
-        report["speedup"] = round(greedy_s / max(spec_s, 1e-9) * spec_tok / max(greedy_tok, 1), 3)
-        report["lossless"] = {"identical_prompts": int(identical), "prompts": len(prompts)}
-    report.update(
-        drafter=str(ckpt),
-        target=tcfg.model,
-        target_layer_ids=list(dcfg.target_layer_ids),
-        prompts_file=str(prompts_path),
-        device=str(device),
-        dtype=str(target.dtype).replace("torch.", ""),
-        stop_token_ids=stop,
-        per_prompt=per_prompt,
-        chat={"kwargs": chat.kwargs, "template": chat.template_path or None, "from": chat_source},
-    )
-    return report
+        run["speedup"] = round(base_s / max(spec_s, 1e-9) * spec_tok / max(base_tok, 1), 3)
+        if settings.greedy:
+            run["greedy"] = run["baseline"]
+            run["lossless"] = {"identical_prompts": int(identical), "prompts": len(prompts)}
+    run["per_prompt"] = per_prompt
+    return run
 
 
-def format_report(r: dict) -> str:
-    """A few human-readable lines."""
+def _format_run(r: dict) -> list[str]:
+    label = label_of(r.get("sampling"))
     lines = [
-        f"tau {r['tau_per_prompt_mean']:.3f} (mean over prompts of each prompt's mean, as the reference "
-        f"reports it); pooled over all steps {r['tau_pooled']:.3f} (block {r['block_size']}, {r['steps']} "
-        f"verify steps, {r['prompts']} prompts, max {r['max_new_tokens']} new tokens)",
+        f"{label}: tau {r['tau_per_prompt_mean']:.3f} (mean over prompts of each prompt's mean, as the "
+        f"reference reports it); pooled over all steps {r['tau_pooled']:.3f} (block {r['block_size']}, "
+        f"{r['steps']} verify steps, {r['prompts']} prompts, max {r['max_new_tokens']} new tokens)",
         "per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
         "accepted-length histogram (1..B): " + " ".join(str(x) for x in r["accept_length_histogram"]),
         f"speculative: {r['speculative']['tokens']} tokens in {r['speculative']['seconds']:.1f} s "
         f"({r['speculative']['tokens_per_s']:.1f} tok/s)",
     ]
+    if "lossless" in r:
+        g, ll = r["baseline"], r["lossless"]
+        lines.append(
+            f"plain greedy: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['tokens_per_s']:.1f} tok/s); "
+            f"speedup {r['speedup']:.2f}x; identical outputs {ll['identical_prompts']}/{ll['prompts']}"
+        )
+    elif "baseline" in r:
+        g = r["baseline"]
+        lines.append(
+            f"plain sampling: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['tokens_per_s']:.1f} tok/s); "
+            f"speedup {r['speedup']:.2f}x (outputs are sampled: lossless by rejection sampling, not compared)"
+        )
+    return lines
+
+
+def format_report(r: dict) -> str:
+    """A few human-readable lines: per sampling setting, then the chat template."""
+    lines = [x for run in r.get("runs") or [r] for x in _format_run(run)]
     if r.get("chat"):
         lines.append(
             f"chat template {r['chat']['template'] or '(the tokenizer template)'} with "
             f"{r['chat']['kwargs']}, from {r['chat']['from']}"
-        )
-    if "greedy" in r:
-        g, ll = r["greedy"], r["lossless"]
-        lines.append(
-            f"plain greedy: {g['tokens']} tokens in {g['seconds']:.1f} s ({g['tokens_per_s']:.1f} tok/s); "
-            f"speedup {r['speedup']:.2f}x; identical outputs {ll['identical_prompts']}/{ll['prompts']}"
         )
     return "\n".join(lines)

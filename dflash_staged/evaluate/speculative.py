@@ -1,6 +1,7 @@
-"""Greedy speculative decoding with a DFlash drafter, and its acceptance length.
+"""Speculative decoding with a DFlash drafter (greedy, or sampled with lossless rejection
+sampling), and its acceptance length.
 
-Contract (as the reference z-lab ``dflash_generate``, greedy; the tests hold it to it):
+Contract (as the reference z-lab ``dflash_generate``; the tests hold it to it):
 
 * **Prefill.** The target runs the prompt ``p[0..P-1]`` once with a KV cache and the taps; its
   last logits give the first new token, committed at position ``P``. The context is the taps of
@@ -15,14 +16,32 @@ Contract (as the reference z-lab ``dflash_generate``, greedy; the tests hold it 
   the context; the cache keeps positions ``0..s+a`` (dense caches are cropped; a hybrid
   linear-attention cache is deep-copied before the verify and, unless every draft was
   accepted, the copy re-runs the ``a + 1`` verified tokens). The next anchor is the bonus.
+* **Sampling** (``sampler`` with a temperature > 0, :mod:`dflash_staged.evaluate.sampling`,
+  whose docstring is that contract): the first new token is drawn from the target's distribution
+  ``p``; each step the proposer draws its drafts with their proposal ``q`` and the verify accepts
+  ``a`` of them by rejection sampling, then draws the step's last token from the residual (first
+  rejection) or from ``p`` after the last draft (the bonus). The step commits ``a + 1`` tokens as
+  above, and the output is distributed exactly as sampling the target token by token.
+  ``sampler=None`` or temperature 0 is the greedy step above.
 * **Stop** after ``max_new_tokens`` new tokens (the last block is shortened so it never runs
   past them) or at a stop token (output ends with it).
 * **Acceptance length** ``tau`` = tokens committed per verify step (prefill token excluded):
   1.0 without a drafter, at most ``B``. Per-position rate ``k`` (1..B-1) = share of verify
   steps that committed draft ``k``, so ``tau = 1 + sum(rates)``.
 * A *proposer* is anything with ``block_size`` (int), ``reset()`` (called once per prompt) and
-  ``propose(context [S, K, H], tokens [S+1]) -> LongTensor [B-1]``; :class:`DrafterProposer`
+  ``propose(context [S, K, H], tokens [S+1]) -> LongTensor [B-1]``, the greedy drafts; to sample
+  it also takes ``propose(context, tokens, sampler)`` (a
+  :class:`~dflash_staged.evaluate.sampling.Sampler`, its ``temperature`` > 0, its generator for
+  every draw) and returns ``(drafts [B-1], q)``, ``q`` the proposal the drafts were drawn from:
+  dense ``[B-1, V]`` or ``SparseQ(ids [B-1, K], probs [B-1, K])``. :class:`DrafterProposer`
   wraps a :class:`~dflash_staged.model.drafter.DFlashDrafter`; tests inject oracles.
+* **DrafterProposer's drafts.** DFlash v1 (``drafter.selector is None``): greedy = argmax of the
+  block's logits; sampled = drawn from ``q = softmax(logits / T)`` over the vocabulary (dense q).
+  DFlash2 (a ``selector``): ``draft_block(..., return_hidden=True)`` gives the logits (through
+  the drafter's unary transform) and the final-normed hidden states of slots 1..B-1, and
+  ``selector.walk(logits, hidden, anchor, temperature, generator)`` the left-to-right walk's
+  tokens with the candidates and their probabilities: one-hot at temperature 0 (the drafts are
+  the argmax walk's), ``softmax(scores / T)`` over the K candidates otherwise (sparse q).
 * **Drafter cache.** :class:`DrafterProposer` keeps the drafter's context keys/values in a
   :class:`~dflash_staged.model.drafter.DraftCache` of the committed positions: each step
   computes them only for the positions verified since the last one, and a cache longer than
@@ -41,6 +60,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from dflash_staged.evaluate.sampling import SparseQ, proposal_rows
 from dflash_staged.model.drafter import DraftCache
 
 
@@ -49,40 +69,57 @@ class Proposer(Protocol):
 
     def reset(self) -> None: ...
 
-    def propose(self, context: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor: ...
+    def propose(self, context: torch.Tensor, tokens: torch.Tensor, sampler=None): ...
 
 
 class DrafterProposer:
-    """Greedy drafts of a DFlash drafter. The context is fused once per position; with
-    ``kv_cache`` (default) its keys/values are cached too, else recomputed every step."""
+    """Drafts of a DFlash drafter (v1, or DFlash2 through its selector's walk), greedy or sampled.
+    The context is fused once per position; with ``kv_cache`` (default) its keys/values are cached
+    too, else recomputed every step."""
 
     def __init__(self, drafter, kv_cache: bool = True):
         self.drafter = drafter.eval()
         self.block_size = drafter.block_size
         self.device = drafter.fc.weight.device
         self.kv_cache = kv_cache
+        self.selector = getattr(drafter, "selector", None)
         self.reset()
 
     def reset(self) -> None:
         self._fused: torch.Tensor | None = None
         self._cache = DraftCache()
 
-    @torch.inference_mode()
-    def propose(self, context: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        S = context.shape[0]
-        anchor = tokens[S].to(self.device)
+    def _draft(self, context: torch.Tensor, anchor: torch.Tensor, S: int):
+        """The block's logits ``[B-1, V]`` (with a selector: ``(logits, hidden)``)."""
+        extra = {"return_hidden": True} if self.selector is not None else {}
         if self.kv_cache:
             if self._cache.length > S:
                 self._cache.crop(S)  # only committed positions stay
             new = context[self._cache.length : S].to(self.device)
-            return self.drafter.draft_block(new, anchor, anchor_pos=S, cache=self._cache).argmax(-1)
+            return self.drafter.draft_block(new, anchor, anchor_pos=S, cache=self._cache, **extra)
         n = 0 if self._fused is None else self._fused.shape[0]
         if n > S:
             self._fused, n = self._fused[:S], S
         if S > n:
             new = self.drafter.fuse_context(context[n:S].to(self.device))
             self._fused = new if self._fused is None else torch.cat([self._fused, new])
-        return self.drafter.draft_block(self._fused, anchor, anchor_pos=S, fused=True).argmax(-1)
+        return self.drafter.draft_block(self._fused, anchor, anchor_pos=S, fused=True, **extra)
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, tokens: torch.Tensor, sampler=None):
+        S = context.shape[0]
+        anchor = tokens[S].to(self.device)
+        out = self._draft(context, anchor, S)
+        sampled = sampler is not None and not sampler.greedy
+        if self.selector is None:
+            return sampler.propose(out) if sampled else out.argmax(-1)
+        logits, hidden = out
+        temperature = sampler.temperature if sampled else 0.0
+        gen = sampler.generator(self.device) if sampled else None
+        drafts, ids, probs = self.selector.walk(
+            logits, hidden, anchor, temperature=temperature, generator=gen
+        )
+        return (drafts, SparseQ(ids, probs)) if sampled else drafts
 
 
 class SpecOutput(NamedTuple):
@@ -102,8 +139,13 @@ def _first_stop(tokens: list[int], stop: set[int]) -> int | None:
 
 
 @torch.inference_mode()
-def speculative_generate(target, proposer, input_ids, max_new_tokens: int, stop_token_ids=()) -> SpecOutput:
-    """Greedy speculative decoding (see the module docstring); ``proposer=None`` = no drafter."""
+def speculative_generate(
+    target, proposer, input_ids, max_new_tokens: int, stop_token_ids=(), sampler=None
+) -> SpecOutput:
+    """Speculative decoding (see the module docstring): greedy, or sampled with ``sampler`` (a
+    :class:`~dflash_staged.evaluate.sampling.Sampler` at a temperature > 0); ``proposer=None`` = no
+    drafter."""
+    sampled = sampler is not None and not sampler.greedy
     if proposer is not None and not hasattr(proposer, "propose"):
         proposer = DrafterProposer(proposer)
     stop = set(int(t) for t in stop_token_ids)
@@ -115,7 +157,7 @@ def speculative_generate(target, proposer, input_ids, max_new_tokens: int, stop_
     logits, taps, cache = target.forward_with_taps(prompt[None])
     ctx = taps.new_empty(P + max_new_tokens + B, *taps.shape[2:])
     ctx[:P] = taps[0]
-    tokens[P] = logits[0, -1].argmax()
+    tokens[P] = sampler.next_token(logits[0, -1]) if sampled else logits[0, -1].argmax()
     new, accepted = [int(tokens[P])], []
     if proposer is not None:
         proposer.reset()
@@ -125,14 +167,23 @@ def speculative_generate(target, proposer, input_ids, max_new_tokens: int, stop_
     while len(new) < max_new_tokens:
         size = min(B, max_new_tokens - len(new))  # never commit more than asked for
         block = tokens[s : s + 1].clone()
-        if size > 1:
+        q = None
+        if size > 1 and sampled:
+            drafts, q = proposer.propose(ctx[:s], tokens[: s + 1], sampler)
+            drafts, q = drafts[: size - 1], proposal_rows(q, size - 1)
+            block = torch.cat([block, drafts.to(block)])
+        elif size > 1:
             drafts = proposer.propose(ctx[:s], tokens[: s + 1])[: size - 1]
             block = torch.cat([block, drafts.to(block)])
         snapshot = copy.deepcopy(cache) if size > 1 and not target.supports_crop else None
         logits, vtaps, cache = target.forward_with_taps(block[None], cache)
-        posterior = logits[0].argmax(-1)
-        a = int((block[1:] == posterior[:-1]).long().cumprod(0).sum())
-        commit = block[1 : a + 1].tolist() + [int(posterior[a])]
+        if sampled:
+            a, last = sampler.verify(block[1:], q, logits[0])
+        else:
+            posterior = logits[0].argmax(-1)
+            a = int((block[1:] == posterior[:-1]).long().cumprod(0).sum())
+            last = int(posterior[a])
+        commit = block[1 : a + 1].tolist() + [last]
         end = _first_stop(commit, stop)
         commit = commit if end is None else commit[: end + 1]
         tokens[s + 1 : s + 1 + len(commit)] = torch.tensor(commit, device=tokens.device)
@@ -153,14 +204,17 @@ def speculative_generate(target, proposer, input_ids, max_new_tokens: int, stop_
 
 
 @torch.inference_mode()
-def greedy_generate(target, input_ids, max_new_tokens: int, stop_token_ids=()) -> list[int]:
-    """Plain greedy decoding with the KV cache, one token per forward: the new tokens."""
+def greedy_generate(target, input_ids, max_new_tokens: int, stop_token_ids=(), sampler=None) -> list[int]:
+    """Plain decoding with the KV cache, one token per forward: the new tokens. Greedy, or drawn
+    from the target's distribution with ``sampler`` at a temperature > 0."""
     stop = set(int(t) for t in stop_token_ids)
     ids = _as_ids(input_ids).to(target.device)[None]
     logits, _, cache = target.forward_with_taps(ids)
     out: list[int] = []
     while True:
         nxt = logits[0, -1].argmax()
+        if sampler is not None and not sampler.greedy:
+            nxt = torch.tensor(sampler.next_token(logits[0, -1]), device=nxt.device)
         out.append(int(nxt))
         if len(out) >= max_new_tokens or out[-1] in stop:
             return out

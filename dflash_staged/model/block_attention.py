@@ -6,18 +6,20 @@ of the anchor at position ``a`` of a sequence attends to
 
 * context position ``p`` of its own sequence iff ``p < a`` and, in a ``sliding_attention``
   layer of window ``W``, ``p >= a + q - (W - 1)``;
-* offset ``k`` of its own block: always in a ``full_attention`` layer (bidirectional), iff
-  ``k <= q`` in a sliding layer;
+* offset ``k`` of its own block: iff ``k <= q`` in a *causal* layer, always in a bidirectional
+  one; and in a sliding layer only within the window, ``|q - k| < W``;
 * nothing else: no other block, no other packed sequence, no padding.
 
-A sliding layer is therefore a causal sliding window of ``W`` positions that counts the query's
-own position (Hugging Face's ``sliding_window``), over the context cut at the anchor followed
-by the block. Who agrees: SpecForge trains exactly this (its sliding DFlash mask); SGLang
-serves sliding DFlash layers as causal windowed attention (``window_left = W - 1``), and so
-does vLLM (causal with the layer's window; mixed sliding/full layouts on its V2 model runner,
-which z-lab's README installs from a vLLM pull request for interleaved sliding windows). The z-lab
-transformers class keeps the block bidirectional and, with SDPA, ignores the window: it
-agrees for ``full_attention`` layers only.
+Which layers are causal (a layer's *kind* is ``(window, causal)``, window 0 = full attention):
+the drafter config's ``is_causal`` when it is set, for every layer; otherwise sliding layers
+causal and full layers bidirectional. That is the reference's rule (z-lab ``dflash/model.py``:
+``is_causal`` from the config when present, else ``layer_type == "sliding_attention"``) and
+SGLang's since its PR #34524. Without ``is_causal`` a sliding layer is therefore a causal
+sliding window of ``W`` positions that counts the query's own position (Hugging Face's
+``sliding_window``), over the context cut at the anchor followed by the block, as SpecForge
+trains it and SGLang (``window_left = W - 1``) and vLLM serve it; the released DFlash2 drafters
+set ``is_causal: false``: every layer sees its whole block, a sliding one within ``|q - k| < W``
+over [context | block], the reference's bidirectional sliding mask.
 
 :class:`Packing` is the geometry of one training pass (packed sequences, anchors in any
 order); :class:`SdpaBlocks` evaluates the rule with ``scaled_dot_product_attention`` and a
@@ -46,9 +48,14 @@ def context_visible(key_pos, anchor, q_off, window: int):
     return vis
 
 
-def block_visible(key_off, q_off, window: int):
-    """Whether the query at offset ``q_off`` sees offset ``key_off`` of its own block (offsets >= 0)."""
-    return key_off <= q_off if window else key_off + q_off >= 0
+def block_visible(key_off, q_off, window: int, causal: bool | None = None):
+    """Whether the query at offset ``q_off`` sees offset ``key_off`` of its own block (offsets >= 0);
+    ``causal`` None = the default rule (sliding layers causal)."""
+    causal = bool(window) if causal is None else causal
+    vis = key_off <= q_off if causal else key_off + q_off >= 0
+    if window:
+        vis = vis & (q_off - key_off < window) & (key_off - q_off < window)
+    return vis
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,21 +124,21 @@ class Packing:
             counts=counts,
         )
 
-    def needed_pairs(self, window: int = 0) -> int:
-        """Query-key pairs the rule lets through (the work an exact kernel must do)."""
+    def needed_pairs(self, kind: tuple[int, bool] = (0, False)) -> int:
+        """Query-key pairs the rule lets through in a layer of ``kind`` (the work an exact kernel must do)."""
+        window, causal = kind
         q = torch.arange(self.B, device=self.srt.device)
         ctx = self.a_pos[:, None].expand(-1, self.B)
-        blk = torch.full_like(ctx, self.B)
         if window:
             ctx = torch.minimum(ctx, (window - 1 - q)[None].clamp(min=0).expand_as(ctx))
-            blk = (q + 1)[None].expand_as(ctx)
+        blk = block_visible(q[None], q[:, None], window, causal).sum(1)[None].expand_as(ctx)
         return int((ctx + blk).sum())
 
 
 class SdpaBlocks:
     """The rule evaluated with SDPA and dense boolean masks, anchors chunked, keys cut per chunk."""
 
-    def __init__(self, pk: Packing, nheads: int, windows: set[int], cut_keys: bool = True):
+    def __init__(self, pk: Packing, nheads: int, kinds: set[tuple[int, bool]], cut_keys: bool = True):
         self.pk = pk
         dev = pk.srt.device
         self.chunk = anchor_chunk(pk.N, pk.M, pk.Lmax, pk.B, nheads, dev)
@@ -139,9 +146,9 @@ class SdpaBlocks:
             pk.N, pk.M, dtype=torch.long, device=dev
         )  # padding anchors see no context
         self.anchor_pad[pk.a_seq, pk.a_slot] = pk.a_pos
-        self.bounds = self._bounds(sorted(windows), cut_keys)
+        self.bounds = self._bounds(sorted({w for w, _ in kinds}), cut_keys)
         self.computed = 0  # query-key pairs handed to SDPA (for the benchmark)
-        self._chunks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._chunks: dict[tuple[tuple[int, bool], int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _bounds(self, windows: list[int], cut_keys: bool) -> dict[int, list[tuple[int, int]]]:
         """Per window, each chunk's context key range ``[lo, hi)`` (one host sync)."""
@@ -163,10 +170,11 @@ class SdpaBlocks:
         hi, lows = vals[0], iter(vals[1:])
         return {w: list(zip(next(lows) if w else [0] * n_chunks, hi)) for w in windows}
 
-    def _chunk(self, window: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chunk(self, kind: tuple[int, bool], j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk ``j``'s context key indices ``[N, Lc]`` and mask ``[N, 1, cB, Lc + cB]``, built once
         per pass and shared by the layers of a kind."""
-        if (window, j) not in self._chunks:
+        window, causal = kind
+        if (kind, j) not in self._chunks:
             pk, B = self.pk, self.pk.B
             dev = pk.srt.device
             lo, hi = self.bounds[window][j]
@@ -179,14 +187,14 @@ class SdpaBlocks:
             see_ctx = context_visible(key_pos, anchor, offs, window).expand(-1, -1, B, -1).flatten(1, 2)
             blk = torch.arange(c * B, device=dev)
             see_blk = (blk[:, None] // B == blk[None] // B) & block_visible(
-                blk[None] % B, blk[:, None] % B, window
+                blk[None] % B, blk[:, None] % B, window, causal
             )
-            self._chunks[(window, j)] = idx, torch.cat([see_ctx, see_blk.expand(pk.N, -1, -1)], 2)[:, None]
-        return self._chunks[(window, j)]
+            self._chunks[(kind, j)] = idx, torch.cat([see_ctx, see_blk.expand(pk.N, -1, -1)], 2)[:, None]
+        return self._chunks[(kind, j)]
 
-    def __call__(self, q, k_c, v_c, k_b, v_b, window: int) -> torch.Tensor:
+    def __call__(self, q, k_c, v_c, k_b, v_b, kind: tuple[int, bool]) -> torch.Tensor:
         """``q [A, B, nh, hd]``, context ``k_c/v_c [T, nkv, hd]``, block ``k_b/v_b [A, B, nkv, hd]``
-        (anchors sorted) -> ``[A, B, nh, hd]``."""
+        (anchors sorted), in a layer of ``kind`` ``(window, causal)`` -> ``[A, B, nh, hd]``."""
         pk, B = self.pk, self.pk.B
 
         def pad(t: torch.Tensor) -> torch.Tensor:
@@ -196,10 +204,10 @@ class SdpaBlocks:
 
         q, k_b, v_b = pad(q), pad(k_b), pad(v_b)  # [N, M, B, heads, hd]
         outs = []
-        for j, (lo, hi) in enumerate(self.bounds[window]):
+        for j, (lo, hi) in enumerate(self.bounds[kind[0]]):
             m0 = j * self.chunk
             c = min(self.chunk, pk.M - m0)
-            idx, mask = self._chunk(window, j)
+            idx, mask = self._chunk(kind, j)
             qc = q[:, m0 : m0 + c].flatten(1, 2).transpose(1, 2)  # [N, nh, cB, hd]
             kc = torch.cat([k_c[idx], k_b[:, m0 : m0 + c].flatten(1, 2)], 1).transpose(1, 2)
             vc = torch.cat([v_c[idx], v_b[:, m0 : m0 + c].flatten(1, 2)], 1).transpose(1, 2)

@@ -9,7 +9,13 @@ top level, ``dflash_config: {block_size, mask_token_id, target_layer_ids}``,
 drops ``sliding_window`` otherwise), ``dtype`` (the dtype of the stored weights), and
 RoPE in both spellings (``rope_theta``/``rope_scaling`` for transformers 4.x and MLX,
 ``rope_parameters`` for transformers 5 and vLLM). What a sliding layer attends to is
-written in :mod:`dflash_staged.model.block_attention`.
+written in :mod:`dflash_staged.model.block_attention`; a top-level ``is_causal`` is written
+whenever it is set (the reference and SGLang then apply it to every layer).
+
+A DFlash2 drafter (``architecture="dflash2"``) is ``architectures: ["DFlash2DraftModel"]``
+with ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` in
+``dflash_config`` (z-lab's released ``Qwen3.8-27B-DFlash2`` layout); ``output_multiplier`` and
+``final_logit_softcapping`` go there too, for either architecture, when they are set.
 :meth:`DraftModelConfig.from_dict` reads ours and the released drafters' files.
 """
 
@@ -23,6 +29,8 @@ from dflash_staged.config import FULL, SLIDING, check_layer_types
 from dflash_staged.errors import DflashError
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -48,6 +56,14 @@ class DraftModelConfig:
     dtype: str = "bfloat16"
     layer_types: list[str] = field(default_factory=list)  # empty = every layer full_attention
     sliding_window: int | None = None  # positions a sliding_attention layer sees, its own included
+    is_causal: bool | None = None  # None = sliding layers causal, full layers bidirectional
+    architecture: str = "dflash"  # a key of ARCHITECTURES
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None  # None or 0 = no softcapping
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on round trip
 
     def __post_init__(self) -> None:
@@ -87,6 +103,26 @@ class DraftModelConfig:
             self.dtype in ("float32", "bfloat16", "float16"),
             f"dtype={self.dtype!r}: use float32, bfloat16 or float16",
         )
+        need(
+            self.architecture in ARCHITECTURES,
+            f"architecture={self.architecture!r} is not one of {sorted(ARCHITECTURES)}",
+        )
+        if self.architecture == "dflash2":
+            need(
+                1 <= self.conv_kernel_size <= self.block_size,
+                f"conv_kernel_size={self.conv_kernel_size} must lie in 1..block_size={self.block_size}",
+            )
+            need(
+                self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
+                f"conv_group_size={self.conv_group_size} must divide hidden_size={self.hidden_size}",
+            )
+            need(self.selector_rank >= 1, f"selector_rank={self.selector_rank} must be >= 1")
+            need(
+                1 <= self.selector_top_k <= self.vocab_size,
+                f"selector_top_k={self.selector_top_k} must lie in 1..vocab_size={self.vocab_size}",
+            )
+        need(self.output_multiplier > 0, f"output_multiplier={self.output_multiplier} must be > 0")
+        self.final_logit_softcapping = self.final_logit_softcapping or None
         self.layer_types = list(self.layer_types) or [FULL] * self.num_hidden_layers
         why = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, "")
         need(why is None, why or "")
@@ -96,6 +132,10 @@ class DraftModelConfig:
     @property
     def use_sliding_window(self) -> bool:
         return SLIDING in self.layer_types
+
+    def layer_causal(self, layer: int) -> bool:
+        """Whether layer ``layer``'s queries see only earlier offsets of their block (the reference rule)."""
+        return self.layer_types[layer] == SLIDING if self.is_causal is None else bool(self.is_causal)
 
     @classmethod
     def from_config(
@@ -133,6 +173,14 @@ class DraftModelConfig:
             dtype=d.dtype,
             layer_types=list(d.layer_types),
             sliding_window=d.sliding_window or None,
+            is_causal=None if d.is_causal == "auto" else bool(d.is_causal),
+            architecture=d.architecture,
+            conv_kernel_size=d.conv_kernel_size,
+            conv_group_size=d.conv_group_size,
+            selector_rank=d.selector_rank,
+            selector_top_k=d.selector_top_k,
+            output_multiplier=d.output_multiplier,
+            final_logit_softcapping=d.final_logit_softcapping or None,
         )
 
     @property
@@ -151,18 +199,27 @@ class DraftModelConfig:
         ``block_size`` sits at top level (reference) and in ``dflash_config`` (SGLang).
         """
         d: dict[str, Any] = dict(self.extra)
+        dflash = {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        if self.architecture == "dflash2":
+            dflash.update({k: getattr(self, k) for k in DFLASH2_FIELDS})
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.is_causal is not None:
+            d["is_causal"] = self.is_causal
         d.update(
             {
-                "architectures": [ARCHITECTURE],
+                "architectures": [ARCHITECTURES[self.architecture]],
                 "model_type": "qwen3",
                 "attention_bias": False,
                 "attention_dropout": 0.0,
                 "block_size": self.block_size,
-                "dflash_config": {
-                    "block_size": self.block_size,
-                    "mask_token_id": self.mask_token_id,
-                    "target_layer_ids": list(self.target_layer_ids),
-                },
+                "dflash_config": dflash,
                 "dtype": self.dtype,
                 "head_dim": self.head_dim,
                 "hidden_act": self.hidden_act,
@@ -196,11 +253,19 @@ class DraftModelConfig:
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> DraftModelConfig:
         """Parse a reference ``config.json`` (ours or a released z-lab drafter)."""
         arch = d.get("architectures") or []
-        if ARCHITECTURE not in arch:
+        kind = next((k for k, name in ARCHITECTURES.items() if name in arch), None)
+        if kind is None:
             raise DflashError(
-                f'{source}: architectures={arch} is not a DFlash drafter; expected ["{ARCHITECTURE}"]'
+                f"{source}: architectures={arch} is not a DFlash drafter; expected "
+                f'["{ARCHITECTURE}"] or ["{ARCHITECTURES["dflash2"]}"]'
             )
         dfl = d.get("dflash_config") or {}
+        v2 = {k: int(dfl[k]) for k in DFLASH2_FIELDS if k in dfl}
+        if kind == "dflash2" and len(v2) < len(DFLASH2_FIELDS):
+            raise DflashError(
+                f"{source}: a DFlash2DraftModel needs {', '.join(DFLASH2_FIELDS)} in dflash_config"
+            )
+        causal = d.get("is_causal")
         types = list(d.get("layer_types") or [])
         window = d.get("sliding_window")
         if SLIDING in types and not d.get("use_sliding_window"):
@@ -228,7 +293,7 @@ class DraftModelConfig:
             block = d.get("block_size", dfl.get("block_size"))
             if block is None:
                 raise KeyError("block_size")
-            known = set(cls.__dataclass_fields__) | set(cls(**_TEMPLATE).to_dict())
+            known = set(cls.__dataclass_fields__) | set(cls(**_TEMPLATE).to_dict()) | {"is_causal"}
             return cls(
                 hidden_size=int(d["hidden_size"]),
                 intermediate_size=int(d["intermediate_size"]),
@@ -249,6 +314,11 @@ class DraftModelConfig:
                 dtype=str(d.get("dtype") or d.get("torch_dtype") or "bfloat16"),
                 layer_types=types,
                 sliding_window=int(window) if SLIDING in types else None,
+                is_causal=None if causal is None else bool(causal),
+                architecture=kind,
+                **v2,
+                output_multiplier=float(dfl.get("output_multiplier", 1.0)),
+                final_logit_softcapping=dfl.get("final_logit_softcapping"),
                 extra={k: v for k, v in d.items() if k not in known and k != "torch_dtype"},
             )
         except KeyError as e:

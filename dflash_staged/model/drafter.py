@@ -18,9 +18,14 @@ Contract (the trainer, the evaluator and :mod:`dflash_staged.weights` rely on it
   absolute positions (context ``0..S-1``, block ``a..a+B-1``). Which keys a query
   sees is the rule in :mod:`dflash_staged.model.block_attention`: in a
   ``full_attention`` layer the context strictly before the anchor (``0..a-1``) and
-  its whole block (bidirectional); in a ``sliding_attention`` layer (``layer_types``,
-  ``sliding_window``) a causal window; blocks never see each other. The context
-  never enters the residual stream.
+  its block; in a ``sliding_attention`` layer (``layer_types``, ``sliding_window``) a window;
+  causal or bidirectional within the block per layer (``is_causal``); blocks never see each
+  other. The context never enters the residual stream.
+* **DFlash2** (``architecture == "dflash2"``): every layer wraps its attention and MLP in the
+  in-block convolutions and the drafter has a ``candidate_selector``
+  (:mod:`dflash_staged.model.dflash2`); :attr:`DFlashDrafter.selector` is None for DFlash.
+  :meth:`DFlashDrafter.logits` applies the target's logit scaling (``output_multiplier``,
+  ``final_logit_softcapping``) for either architecture.
 * **Code paths, one function.** :meth:`DFlashDrafter.forward_train` runs many
   anchors of many packed sequences in one pass, with block-sparse ``flex_attention``
   (:mod:`~dflash_staged.model.flex_blocks`, CUDA) or SDPA with dense masks
@@ -50,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_staged.errors import DflashError
 from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visible, context_visible, sdpa
 from dflash_staged.model.config_json import ARCHITECTURE, SLIDING, DraftModelConfig  # noqa: F401 (re-export)
+from dflash_staged.model.dflash2 import CandidateSelector, GroupedConv, transform_logits
 
 
 class RMSNorm(nn.Module):
@@ -91,6 +97,8 @@ class Attention(nn.Module):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.window = c.sliding_window if c.layer_types[layer] == SLIDING else 0  # 0 = full attention
+        self.causal = c.layer_causal(layer)
+        self.kind = (self.window, self.causal)  # what its mask depends on (block_attention)
         self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
@@ -114,11 +122,22 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.architecture == "dflash2":
+            self.attention_conv = GroupedConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+            self.mlp_conv = GroupedConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
-        """``attend(attn, h) -> [..., B, nh*hd]`` supplies the context keys and the mask."""
-        x = x + self.self_attn.o_proj(attend(self.self_attn, self.input_layernorm(x)))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """``attend(attn, h) -> [..., B, nh*hd]`` supplies the context keys and the mask; ``x [..., B, H]``
+        holds whole blocks (the convolutions run along ``B``)."""
+        if self.attention_conv is None:
+            x = x + self.self_attn.o_proj(attend(self.self_attn, self.input_layernorm(x)))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        a, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn.o_proj(attend(self.self_attn, a)), delta)
+        m, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(m), delta)
 
 
 class DraftCache:
@@ -162,6 +181,11 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.fc = nn.Linear(len(c.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.candidate_selector = (
+            CandidateSelector(V, H, c.selector_rank, c.selector_top_k)
+            if c.architecture == "dflash2"
+            else None
+        )
         self.register_buffer("embed_weight", embed_weight.detach()[:V], persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach()[:V], persistent=False)
         inv_freq, self.rope_scale = self._rope_init(c)
@@ -181,12 +205,21 @@ class DFlashDrafter(nn.Module):
         return inv_freq.float(), float(scale)
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Reference (Qwen3PreTrainedModel) init: N(0, 0.02) linear weights, unit norm weights."""
+        """Reference (Qwen3PreTrainedModel) init: N(0, 0.02) linear weights, unit norm weights; then
+        DFlash2's modules their own (identity convolutions, a selector that picks the unary argmax)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        for m in self.modules():
+            if isinstance(m, (GroupedConv, CandidateSelector)):
+                m.reset_parameters()
+
+    @property
+    def selector(self) -> CandidateSelector | None:
+        """DFlash2's candidate selector (None for DFlash)."""
+        return self.candidate_selector
 
     # -- shared pieces -------------------------------------------------------------------------
     @property
@@ -217,8 +250,9 @@ class DFlashDrafter(nn.Module):
         return F.embedding(ids, self.embed_weight).to(self.param_dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Target LM head on drafter outputs (already through the final ``norm``)."""
-        return F.linear(h.to(self.lm_head_weight.dtype), self.lm_head_weight)
+        """Target LM head on final-normed drafter outputs, then the logit transform."""
+        out = F.linear(h.to(self.lm_head_weight.dtype), self.lm_head_weight)
+        return transform_logits(out, self.dcfg.output_multiplier, self.dcfg.final_logit_softcapping)
 
     # -- inference: one block, context cut at the anchor ---------------------------------------
     def extend_cache(self, cache: DraftCache, fused: torch.Tensor) -> DraftCache:
@@ -241,8 +275,10 @@ class DFlashDrafter(nn.Module):
         anchor_pos: int | None = None,
         fused: bool = False,
         cache: DraftCache | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[B-1, V]`` for block offsets 1..B-1 of one anchor.
+        return_hidden: bool = False,
+    ):
+        """Logits ``[B-1, V]`` for block offsets 1..B-1 of one anchor (with ``return_hidden``, also
+        their final-normed states ``[B-1, H]``, which DFlash2's selector needs).
 
         The context is ``cache`` (positions ``0..cache.length-1``) followed by
         ``context_hidden``: the target taps ``[S, K, H]`` (or, with ``fused=True``, the fused
@@ -269,12 +305,12 @@ class DFlashDrafter(nn.Module):
             k_c, v_c = cache.k[i][lo:S], cache.v[i][lo:S]
             k_b, v_b = attn.kv(h, cos_b, sin_b)
             mask = None
-            if attn.window or a < S:
+            if attn.window or attn.causal or a < S:
                 key_pos = torch.arange(lo, S, device=dev)[None]
                 mask = torch.cat(
                     [
-                        context_visible(key_pos, a, q_off, attn.window),
-                        block_visible(torch.arange(B, device=dev)[None], q_off, attn.window),
+                        context_visible(key_pos, a, q_off, attn.window).expand(B, -1),
+                        block_visible(torch.arange(B, device=dev)[None], q_off, attn.window, attn.causal),
                     ],
                     1,
                 )
@@ -288,7 +324,8 @@ class DFlashDrafter(nn.Module):
             cache.v = [t.clone() for t in cache.k]
         for layer in self.layers:
             x = layer(x, attend)
-        return self.logits(self.norm(x)[1:])
+        h = self.norm(x)[1:]
+        return (self.logits(h), h) if return_hidden else self.logits(h)
 
     # -- training: many anchors of many packed sequences in one pass ---------------------------
     def forward_train(
@@ -306,7 +343,7 @@ class DFlashDrafter(nn.Module):
         Row ``i`` of the result belongs to ``anchors[i]``. A block may run past the end
         of its sequence (its positions just have no label). ``attention``: ``"sdpa"``,
         ``"flex"`` (see :func:`~dflash_staged.model.flex_blocks.resolve_attention`), or a
-        callable ``(Packing, windows) -> blocks`` (benchmarks). Two host syncs (sizes, chunk bounds).
+        callable ``(Packing, kinds) -> blocks`` (benchmarks). Two host syncs (sizes, chunk bounds).
         """
         dev = hidden.device
         A, B, T = anchors.shape[0], self.block_size, hidden.shape[0]
@@ -317,22 +354,22 @@ class DFlashDrafter(nn.Module):
         x = self._block_input(input_ids.to(dev)[pk.srt])  # [A, B, H]
         cos_c, sin_c = self._rope(pk.pos_of_tok, x.dtype)
         cos_b, sin_b = self._rope(pk.a_pos[:, None] + torch.arange(B, device=dev), x.dtype)
-        windows = {layer.self_attn.window for layer in self.layers}
+        kinds = {layer.self_attn.kind for layer in self.layers}
         if callable(attention):
-            blocks = attention(pk, windows)
+            blocks = attention(pk, kinds)
         elif attention == "flex":
             from dflash_staged.model.flex_blocks import FlexBlocks
 
-            blocks = FlexBlocks(pk, windows)
+            blocks = FlexBlocks(pk, kinds)
         elif attention == "sdpa":
-            blocks = SdpaBlocks(pk, self.dcfg.num_attention_heads, windows)
+            blocks = SdpaBlocks(pk, self.dcfg.num_attention_heads, kinds)
         else:
             raise DflashError(f"attention={attention!r}: use 'sdpa' or 'flex'")
 
         def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
             k_c, v_c = attn.kv(ctx, cos_c, sin_c)  # [T, nkv, hd]
             k_b, v_b = attn.kv(h, cos_b, sin_b)  # [A, B, nkv, hd]
-            return blocks(attn.q(h, cos_b, sin_b), k_c, v_c, k_b, v_b, attn.window).flatten(-2)
+            return blocks(attn.q(h, cos_b, sin_b), k_c, v_c, k_b, v_b, attn.kind).flatten(-2)
 
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:

@@ -42,7 +42,7 @@ QUERY_SPAN = 4  # block rows are padded to at least the padded context / 2**QUER
 MAX_CONTEXT = 1 << 17  # the context lengths (tokens per microbatch) the shape bound is stated for
 RECOMPILE_LIMIT = 256  # >= 2 layer kinds x shape_bound(MAX_CONTEXT, 16)
 _compiled: dict[str, object] = {}
-_shapes: set[tuple[int, int, int, int]] = set()  # (padded context, query rows, block, window) compiled
+_shapes: set[tuple[int, int, int, tuple[int, bool]]] = set()  # (padded context, query rows, block, kind)
 
 
 def bucket(n: int) -> int:
@@ -78,9 +78,10 @@ def _raise_recompile_limits(n: int) -> None:
             setattr(cfg, name, max(getattr(cfg, name), n))
 
 
-def note_shape(T_pad: int, Q: int, B: int, window: int) -> bool:
+def note_shape(T_pad: int, Q: int, B: int, kind: tuple[int, bool]) -> bool:
     """Record a shape about to be compiled; log it and return True the first time only."""
-    key = (T_pad, Q, B, window)
+    window, causal = kind
+    key = (T_pad, Q, B, kind)
     if key in _shapes:
         return False
     _shapes.add(key)
@@ -88,7 +89,7 @@ def note_shape(T_pad: int, Q: int, B: int, window: int) -> bool:
     _raise_recompile_limits(max(RECOMPILE_LIMIT, 2 * len(_shapes) + 8))
     print(
         f"flex_attention: compiling shape {len(_shapes)}: context {T_pad}, {Q} block rows "
-        f"(block {B}), window {window or 'full'}",
+        f"(block {B}), window {window or 'full'}{', causal' if causal else ''}",
         file=sys.stderr,
         flush=True,
     )
@@ -145,7 +146,7 @@ def _kernel(q, k, v, block_mask):
 class FlexBlocks:
     """The rule as block masks (one per layer kind) over the packed layout; see the module docstring."""
 
-    def __init__(self, pk: Packing, windows: set[int]):
+    def __init__(self, pk: Packing, kinds: set[tuple[int, bool]]):
         from torch.nn.attention.flex_attention import create_block_mask
 
         self.pk = pk
@@ -161,17 +162,18 @@ class FlexBlocks:
         self.anchor_seq = torch.full((self.A_pad,), -2, dtype=torch.long, device=dev)  # padding: no sequence
         self.anchor_seq[: pk.A] = pk.a_seq
         if dev.type == "cuda":  # compiled there (mask and kernel): one log line per new shape
-            for w in windows:
-                note_shape(self.T_pad, self.Q, B, w)
+            for kind in kinds:
+                note_shape(self.T_pad, self.Q, B, kind)
         self.masks = {
-            w: create_block_mask(
-                self._mask_mod(w), 1, None, self.Q, self.KV, device=dev, _compile=dev.type == "cuda"
+            kind: create_block_mask(
+                self._mask_mod(kind), 1, None, self.Q, self.KV, device=dev, _compile=dev.type == "cuda"
             )
-            for w in sorted(windows)
+            for kind in sorted(kinds)
         }
 
-    def _mask_mod(self, window: int):
+    def _mask_mod(self, kind: tuple[int, bool]):
         B, T_pad = self.pk.B, self.T_pad
+        window, causal = kind
         tok_seq, anchor, anchor_seq = self.tok_seq, self.anchor, self.anchor_seq
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -183,20 +185,25 @@ class FlexBlocks:
                 & context_visible(kc, anchor[qa], qo, window)
             )
             kb = kv_idx - T_pad
-            blk = (kb >= 0) & (kb // B == qa) & (anchor_seq[qa] >= 0) & block_visible(kb % B, qo, window)
+            blk = (
+                (kb >= 0)
+                & (kb // B == qa)
+                & (anchor_seq[qa] >= 0)
+                & block_visible(kb % B, qo, window, causal)
+            )
             return ctx | blk
 
         return mask_mod
 
-    def computed_pairs(self, window: int) -> int:
+    def computed_pairs(self, kind: tuple[int, bool]) -> int:
         """Query-key pairs the kernel computes: every non-empty tile, whole."""
-        m = self.masks[window]
+        m = self.masks[kind]
         tiles = int(m.kv_num_blocks.sum()) + (
             int(m.full_kv_num_blocks.sum()) if m.full_kv_num_blocks is not None else 0
         )
         return tiles * m.BLOCK_SIZE[0] * m.BLOCK_SIZE[1]
 
-    def __call__(self, q, k_c, v_c, k_b, v_b, window: int) -> torch.Tensor:
+    def __call__(self, q, k_c, v_c, k_b, v_b, kind: tuple[int, bool]) -> torch.Tensor:
         """Same contract as :class:`~dflash_staged.model.block_attention.SdpaBlocks`."""
         pk = self.pk
 
@@ -207,5 +214,5 @@ class FlexBlocks:
         kf = torch.cat([rows(k_c, self.T_pad), rows(k_b.flatten(0, 1), self.Q)], 2)
         vf = torch.cat([rows(v_c, self.T_pad), rows(v_b.flatten(0, 1), self.Q)], 2)
         qf, kf = qf.to(vf.dtype), kf.to(vf.dtype)
-        o = _kernel(qf, kf, vf, self.masks[window])  # [1, nh, Q, hd]
+        o = _kernel(qf, kf, vf, self.masks[kind])  # [1, nh, Q, hd]
         return o[0].transpose(0, 1)[: pk.A * pk.B].unflatten(0, (pk.A, pk.B))

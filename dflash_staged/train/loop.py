@@ -17,7 +17,7 @@ import time
 
 from dflash_staged.train.draw import StepData, gather_step
 from dflash_staged.train.ledger import Consumed, token_digest
-from dflash_staged.train.objective import anchor_counts, per_offset_accuracy, training_tau
+from dflash_staged.train.objective import anchor_counts, per_offset_accuracy, selector_metrics, training_tau
 from dflash_staged.train.trainer import Trainer
 
 
@@ -73,11 +73,11 @@ class StopRequested:
         return bool(self.signum)
 
 
-def forward_backward(model, mbs: list[dict], device, noise: float) -> dict:
+def forward_backward(model, mbs: list[dict], device, knobs) -> dict:
     """Backpropagate every microbatch's weighted loss sum (gradients accumulate); the summed stats."""
     stats = model.zero_stats()
     for mb in mbs:
-        loss_sum, st = model.loss({k: v.to(device, non_blocking=True) for k, v in mb.items()}, noise)
+        loss_sum, st = model.loss({k: v.to(device, non_blocking=True) for k, v in mb.items()}, knobs)
         loss_sum.backward()
         model.add_stats(stats, st)
     return stats
@@ -89,14 +89,14 @@ def metrics_line(
     """This step's metrics line (loss and accuracies synchronise the host: every step on CPU,
     every ``train.log_every`` steps on CUDA)."""
     loss = acc = tau = None
+    selector = {}
     if t.device.type != "cuda" or t.step % t.cfg.train.log_every == 0:
-        vals = [stats["correct"], stats["total"]] + [
-            stats[k].reshape(1) for k in ("loss_sum", "weight_sum", "accepted", "blocks")
-        ]
-        t.dist.all_reduce_(vals)
+        t.dist.all_reduce_([stats[k].reshape(-1) for k in sorted(stats)])
         loss = float(stats["loss_sum"] / stats["weight_sum"].clamp_min(1e-12))
         acc = per_offset_accuracy(stats["correct"], stats["total"])
         tau = training_tau(stats["accepted"], stats["blocks"])
+        if getattr(t.model.drafter, "selector", None) is not None:
+            selector = selector_metrics(stats)
     choices = t.dist.sum_int(data.bucket_choices if data else 0)
     return {
         "step": t.step,
@@ -104,6 +104,7 @@ def metrics_line(
         "lr": lr,
         "acc": acc,
         "tau": tau,
+        **selector,
         "tokens": sum(c.tokens for c in jobs),
         "jobs": [c.job for c in jobs],
         "ranks": [c.rank for c in jobs],
@@ -141,7 +142,7 @@ def train_loop(t: Trainer) -> int:
 
         # ---- forward / backward over every microbatch of every shard ------------------------------
         mbs = [mb for _, shard in local for mb in shard_microbatches(t, shard)]
-        stats = forward_backward(t.model, mbs, t.device, t.model.noise_std(t.step, t.total_steps))
+        stats = forward_backward(t.model, mbs, t.device, t.model.knobs(t.step, t.total_steps))
 
         # ---- optimizer step (gradients summed over ranks / the step's total loss weight), consume ----
         lr = t.optim.lr(t.step, t.total_steps)

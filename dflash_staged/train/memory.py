@@ -14,7 +14,9 @@ here from the device's memory) and :func:`estimate` states the peak it expects:
   layer keeps only its input (``hidden`` elements a row) and one layer is recomputed at a time;
 * **per context token**: the taps read from the shard, the fused context and each layer's
   context keys and values;
-* **the loss**: one ``train.loss_chunk`` of fp32 logits, their softmax and gradient.
+* **the loss**: one ``train.loss_chunk`` of fp32 logits, their softmax and gradient;
+* **DFlash2**: its convolutions' saved inputs and kernels (:data:`CONV_ROW_ELEMS`) a row per layer,
+  and the selector's fp32 candidate codebook rows, scores and their gradients a row.
 
 The row budget fills ``USABLE`` of the device's memory; when even one sequence's blocks
 (``train.num_anchors x block_size`` rows) cannot fit, :func:`row_budget` refuses, naming the
@@ -31,6 +33,7 @@ from dflash_staged.config import TrainConfig
 from dflash_staged.errors import DflashError
 
 ROW_ELEMS = 9.0  # saved elements a row per layer, in units of (hidden + intermediate)
+CONV_ROW_ELEMS = 4  # DFlash2: a layer's convolutions keep about 4 x (2 x taps + 1) x hidden a row
 USABLE = 0.85  # share of the device's memory the estimate may fill (allocator slack, CUDA context)
 GIB = 2**30
 
@@ -80,6 +83,11 @@ def estimate(
     H, inter, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     layer_row = int(ROW_ELEMS * (H + inter))
     rows_elems = L * H + layer_row if t.activation_checkpointing else L * layer_row
+    selector_row = 0
+    if c.architecture == "dflash2":  # four convolutions a layer; the selector's candidates (fp32)
+        conv_row = CONV_ROW_ELEMS * (2 * c.conv_kernel_size + 1) * H
+        rows_elems += conv_row if t.activation_checkpointing else L * conv_row
+        selector_row = 3 * c.selector_top_k * c.selector_rank * 4
     taps = len(c.target_layer_ids)
     kv = 2 * c.num_key_value_heads * c.head_dim
     ctx_elems = t.microbatch_tokens * (taps * H + 2 * H + L * kv * (1 if t.activation_checkpointing else 2))
@@ -87,7 +95,7 @@ def estimate(
         device_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     return MemoryEstimate(
         fixed=trainable * (18 if cuda else 16) + frozen * act,
-        per_row=rows_elems * act,
+        per_row=rows_elems * act + selector_row,
         context=ctx_elems * act,
         loss=3 * min(t.loss_chunk, t.microbatch_tokens * c.block_size) * c.vocab_size * 4,
         device_bytes=device_bytes,

@@ -14,19 +14,23 @@ Contract (the trainer calls :func:`dflash_loss` once per microbatch):
 * **Labels.** Block offset ``k`` (1..B-1) predicts ``ids[anchor+k]`` with no shift;
   a label counts when it lies inside the sequence and its ``loss_mask`` is 1.
   Offset 0 (the anchor token itself) carries no loss.
-* **Loss.** Cross-entropy weighted by ``w_k = exp(-(k-1)/gamma)`` over the valid labels,
-  divided by ``denom``: by default this microbatch's weight sum (a weighted mean). The
+* **Loss.** Cross-entropy of the head's (transformed) logits, weighted per offset by ``w_k``:
+  ``position_weights="decay"``: ``exp(-(k-1)/gamma)``; ``"dpace"``: D-PACE's detached weights
+  from the drafter's own probability of each label (:func:`dpace_weights`); 0 for invalid
+  labels. For a DFlash2 drafter, plus ``selector_alpha`` x the selector's top-k cross-entropy
+  with the same weights (:mod:`dflash_staged.train.selector_loss`). The sum is divided by
+  ``denom``: by default this microbatch's weight sum (a weighted mean). The
   trainer passes ``denom=1`` (the weighted sum), sums gradients over microbatches and
   ranks and divides them by the optimizer step's total weight over all ranks
   (:meth:`dflash_staged.train.optim.Optimizer.reduce_gradients`), so every label of the
   step weighs the same however the step's tokens were split into microbatches.
-  The LM head and the loss run in chunks of ``loss_chunk`` positions and the
-  gradient of each chunk is formed right away, so logits never exist for more
-  than one chunk, in the forward or the backward (the head is frozen, so only
-  the gradient to the drafter states is needed).
-* **Stats** (tensors on the batch's device, no host sync): ``correct [B-1]`` and
-  ``total [B-1]`` top-1 counts per offset, ``loss_sum`` (weighted CE sum),
-  ``weight_sum``, ``accepted`` and ``blocks`` (see below), ``num_anchors``. Sum them over
+  The LM head runs in chunks of ``loss_chunk`` positions (:mod:`dflash_staged.train.head`):
+  logits never exist for more than one chunk, in the forward or the backward.
+* **Stats** (tensors on the batch's device, no host sync): per offset ``correct``/``total``
+  (top-1 counts), ``covered`` (label among the selector's candidates) and ``selector_correct``;
+  ``loss_sum`` (the weighted CE sum of the DFlash term), ``selector_loss_sum``, ``weight_sum``,
+  ``accepted``/``blocks`` (see below), ``walk_accepted`` (the same for the selector's greedy
+  walk) and ``num_anchors``; the selector's are 0 without one. Sum them over
   microbatches/ranks, then :func:`per_offset_accuracy` and :func:`training_tau`.
 * **Acceptance length** per block, as a cumulative product of hits
   (:func:`block_acceptance`, SpecForge's rule): a block accepts its leading run of
@@ -44,6 +48,8 @@ from typing import Any
 import torch
 
 from dflash_staged.errors import DflashError
+from dflash_staged.train.head import head_rows
+from dflash_staged.train.selector_loss import selector_rows
 
 
 def _field(batch: Any, name: str) -> torch.Tensor:
@@ -119,45 +125,6 @@ def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
-class _ChunkedHeadCE(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, y_i) / denom over rows, in chunks, with a frozen ``W``.
-
-    The gradient to ``h`` is computed chunk by chunk during the forward and kept
-    (``[P, H]``), so no logits survive a chunk. Matmuls run in ``W``'s dtype with
-    autocast off; softmax/CE in fp32. Also returns per-row top-1 hits (no grad).
-    """
-
-    @staticmethod
-    def forward(ctx, h, weight, labels, row_w, denom, chunk: int):
-        need_grad = ctx.needs_input_grad[0]
-        dev_type = h.device.type
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        hits = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
-        grad_h = torch.empty_like(h) if need_grad else None
-        with torch.autocast(dev_type, enabled=False):
-            for s in range(0, h.shape[0], chunk):
-                hc, y, w = h[s : s + chunk].to(weight.dtype), labels[s : s + chunk], row_w[s : s + chunk]
-                logits = (hc @ weight.t()).float()
-                lse = torch.logsumexp(logits, -1)
-                picked = logits.gather(1, y[:, None])[:, 0]
-                total += (w * (lse - picked)).sum()
-                hits[s : s + chunk] = logits.argmax(-1) == y
-                if need_grad:  # d/dlogits = (softmax - onehot) * w / denom
-                    logits.sub_(lse[:, None]).exp_()
-                    logits.scatter_add_(1, y[:, None], -torch.ones_like(picked)[:, None])
-                    logits.mul_((w / denom)[:, None])
-                    grad_h[s : s + chunk] = (logits.to(weight.dtype) @ weight).to(h.dtype)
-        ctx.save_for_backward(grad_h if need_grad else None)
-        ctx.mark_non_differentiable(hits)
-        return total / denom, hits
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_hits):
-        (grad_h,) = ctx.saved_tensors
-        gh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
-        return gh, None, None, None, None, None
-
-
 def head_loss(
     h: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -168,16 +135,23 @@ def head_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE of the LM head over rows ``h [P, H]`` divided by ``denom`` (default: the weight
     sum, a weighted mean); returns (loss, weight_sum, hits [P])."""
+    rows = head_rows(h, lm_head_weight, labels, loss_chunk)
     wsum = row_weights.float().sum()
-    denom = (
+    d = (
         wsum.clamp_min(1e-6)
         if denom is None
         else torch.as_tensor(denom, dtype=torch.float32, device=h.device)
     )
-    loss, hits = _ChunkedHeadCE.apply(
-        h, lm_head_weight, labels, row_weights.float(), denom, max(1, loss_chunk)
-    )
-    return loss, wsum, hits
+    return (row_weights.float() * rows.ce).sum() / d, wsum, rows.hits
+
+
+def dpace_weights(p_label: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE position weights ``[A, B-1]`` from the drafter's probability of each label (detached):
+    ``w_j = sum_{m >= j} prod_{i <= m} q_i`` with ``q = (1 - alpha) p + alpha``, over valid offsets
+    (an invalid one neither breaks the product nor adds a term), 0 at invalid offsets."""
+    q = torch.where(valid, (1 - alpha) * p_label.detach().float() + alpha, torch.ones_like(p_label).float())
+    terms = torch.cumprod(q, dim=1) * valid
+    return terms.flip(1).cumsum(1).flip(1) * valid
 
 
 def add_noise(hidden: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -196,6 +170,20 @@ def block_acceptance(hits: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Ten
     return run.sum(), valid.any(dim=1).sum()
 
 
+def _zero_stats(drafter, dev) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
+    zeros = torch.zeros(drafter.block_size - 1, dtype=torch.long, device=dev)
+    zero = torch.zeros((), device=dev)
+    none = torch.zeros((), dtype=torch.long, device=dev)
+    stats = {k: zeros.clone() for k in PER_OFFSET}
+    stats.update({k: zero.clone() for k in ("loss_sum", "weight_sum", "selector_loss_sum")})
+    stats.update({k: none.clone() for k in ("accepted", "blocks", "walk_accepted", "num_anchors")})
+    return loss, stats
+
+
+PER_OFFSET = ("correct", "total", "selector_correct", "covered")
+
+
 def dflash_loss(
     drafter,
     batch: Any,
@@ -206,6 +194,11 @@ def dflash_loss(
     loss_chunk: int = 4096,
     denom=None,
     attention="sdpa",
+    *,
+    position_weights: str = "decay",
+    dpace_alpha: float = 0.5,
+    selector_alpha: float = 1.0,
+    selector_stop_gradient: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DFlash loss of one microbatch and its stats (see the module contract)."""
     hidden = _field(batch, "hidden")
@@ -221,45 +214,63 @@ def dflash_loss(
     B = drafter.block_size
     anchors = sample_anchors(loss_mask, cu, B, num_anchors, generator)
     A = anchors.shape[0]
-    zeros = torch.zeros(B - 1, dtype=torch.long, device=dev)
     if A == 0:
-        loss = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
-        zero = torch.zeros((), device=dev)
-        none = torch.zeros((), dtype=torch.long, device=dev)
-        return loss, {
-            "correct": zeros,
-            "total": zeros.clone(),
-            "loss_sum": zero,
-            "weight_sum": zero.clone(),
-            "accepted": none,
-            "blocks": none.clone(),
-            "num_anchors": none.clone(),
-        }
+        return _zero_stats(drafter, dev)
     hidden = add_noise(hidden, noise_std, generator)
     out = drafter.forward_train(hidden, input_ids, cu, anchors, attention=attention)[:, 1:]  # [A, B-1, H]
     labels, valid = block_labels(input_ids, loss_mask, cu, anchors, B)
-    w = decay_weights(B, gamma, dev)[None, :] * valid
-    loss, wsum, hits = head_loss(
+    selector, c = getattr(drafter, "selector", None), drafter.dcfg
+    head = head_rows(
         out.reshape(-1, out.shape[-1]),
         drafter.lm_head_weight,
         labels.reshape(-1),
-        w.reshape(-1),
         loss_chunk,
-        denom,
+        c.output_multiplier,
+        c.final_logit_softcapping,
+        selector.top_k if selector is not None else 0,
     )
-    hits = hits.view(A, B - 1)
-    accepted, blocks = block_acceptance(hits, valid)
+    if position_weights == "dpace":
+        w = dpace_weights(head.p_label.view(A, B - 1), valid, dpace_alpha)
+    else:
+        w = decay_weights(B, gamma, dev)[None, :] * valid
+    wsum = w.sum()
     used = wsum.clamp_min(1e-6) if denom is None else torch.as_tensor(denom, dtype=torch.float32, device=dev)
-    stats = {
-        "correct": (hits & valid).sum(0),
-        "total": valid.sum(0),
-        "loss_sum": loss.detach() * used,
-        "weight_sum": wsum,
-        "accepted": accepted,
-        "blocks": blocks,
-        "num_anchors": torch.tensor(A, device=dev),
-    }
-    return loss, stats
+    main = (w.reshape(-1) * head.ce).sum()
+    hits = head.hits.view(A, B - 1)
+    accepted, blocks = block_acceptance(hits, valid)
+    _, stats = _zero_stats(drafter, dev)
+    stats.update(
+        correct=(hits & valid).sum(0),
+        total=valid.sum(0),
+        loss_sum=main.detach(),
+        weight_sum=wsum,
+        accepted=accepted,
+        blocks=blocks,
+        num_anchors=torch.tensor(A, device=dev),
+    )
+    total = main
+    if selector is not None:
+        idx = (anchors[:, None] + torch.arange(B - 1, device=dev)).clamp(max=input_ids.shape[0] - 1)
+        rows = selector_rows(
+            selector,
+            out,
+            drafter.lm_head_weight,
+            head,
+            labels,
+            valid,
+            input_ids[idx],
+            selector_stop_gradient,
+            loss_chunk,
+        )
+        sel = (w.reshape(-1) * rows.ce).sum()
+        total = total + selector_alpha * sel
+        stats.update(
+            selector_loss_sum=sel.detach(),
+            selector_correct=rows.hits.view(A, B - 1).sum(0),
+            covered=rows.covered.view(A, B - 1).sum(0),
+            walk_accepted=block_acceptance(rows.walk_hits, valid)[0],
+        )
+    return total / used, stats
 
 
 def noise_std_at(step: int, total_steps: int, noise_std: float, schedule: str = "constant") -> float:
@@ -286,3 +297,14 @@ def per_offset_accuracy(correct, total) -> list[float]:
 def training_tau(accepted, blocks) -> float:
     """Acceptance length from summed per-block stats: ``1 + accepted / blocks`` (includes the bonus token)."""
     return 1.0 + float(accepted) / max(float(blocks), 1.0)
+
+
+def selector_metrics(stats: dict) -> dict:
+    """DFlash2's metrics from summed stats: the selector term's weighted mean, its accuracy given the
+    true predecessor and the top-k recall per offset, and the greedy walk's acceptance length."""
+    return {
+        "selector_loss": float(stats["selector_loss_sum"] / stats["weight_sum"].clamp_min(1e-12)),
+        "selector_acc": per_offset_accuracy(stats["selector_correct"], stats["covered"]),
+        "topk_recall": per_offset_accuracy(stats["covered"], stats["total"]),
+        "walk_tau": training_tau(stats["walk_accepted"], stats["blocks"]),
+    }

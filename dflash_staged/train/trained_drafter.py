@@ -15,6 +15,7 @@ import contextlib
 import copy
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -26,7 +27,15 @@ from dflash_staged.model.weights import write_drafter_files
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.memory import estimate, row_budget
-from dflash_staged.train.objective import dflash_loss, noise_std_at
+from dflash_staged.train.objective import PER_OFFSET, dflash_loss, noise_std_at
+from dflash_staged.train.selector_loss import alpha_at
+
+
+class Knobs(NamedTuple):
+    """The loss settings that follow a schedule over the steps."""
+
+    noise_std: float
+    selector_alpha: float
 
 
 class DrafterModel:
@@ -52,11 +61,16 @@ class DrafterModel:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def noise_std(self, step: int, total_steps: int) -> float:
-        return noise_std_at(step, total_steps, self.t.noise_std, self.t.noise_schedule)
+    def knobs(self, step: int, total_steps: int) -> Knobs:
+        """The scheduled settings of the loss at ``step``."""
+        t = self.t
+        return Knobs(
+            noise_std_at(step, total_steps, t.noise_std, t.noise_schedule),
+            alpha_at(step, total_steps, t.selector_alpha, t.selector_warmup_ratio, t.selector_ramp_ratio),
+        )
 
-    def loss(self, mb: dict, noise: float):
-        """(weighted CE sum, stats) of one microbatch already on the device; see :func:`dflash_loss`."""
+    def loss(self, mb: dict, knobs: Knobs):
+        """(weighted loss sum, stats) of one microbatch already on the device; see :func:`dflash_loss`."""
         with self.autocast():
             return dflash_loss(
                 self.drafter,
@@ -64,23 +78,23 @@ class DrafterModel:
                 self.t.num_anchors,
                 self.t.gamma,
                 self.anchor_gen,
-                noise,
+                knobs.noise_std,
                 self.t.loss_chunk,
                 denom=1.0,
                 attention=self.attention,
+                position_weights=self.t.position_weights,
+                dpace_alpha=self.t.dpace_alpha,
+                selector_alpha=knobs.selector_alpha,
+                selector_stop_gradient=self.t.selector_stop_gradient,
             )
 
     def zero_stats(self) -> dict[str, torch.Tensor]:
         z = torch.zeros(self.block_size - 1, dtype=torch.float64, device=self.device)
         s = torch.zeros((), dtype=torch.float64, device=self.device)
-        return {
-            "correct": z.clone(),
-            "total": z.clone(),
-            "loss_sum": s.clone(),
-            "weight_sum": s.clone(),
-            "accepted": s.clone(),
-            "blocks": s.clone(),
-        }
+        out = {k: z.clone() for k in PER_OFFSET}
+        for k in ("loss_sum", "weight_sum", "accepted", "blocks", "selector_loss_sum", "walk_accepted"):
+            out[k] = s.clone()
+        return out
 
     @staticmethod
     def add_stats(acc: dict, st: dict) -> None:
