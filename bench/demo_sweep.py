@@ -1,5 +1,6 @@
 """The demo's recipe by measurement: replay the kept store at a fixed wall-clock budget per setting,
-then held-out tau for each.
+then held-out tau for each (greedy, and at the ``--temperatures`` given: ``0,1`` adds T = 1 with
+top-p 0.95 and top-k 20, the DFlash2 release's protocol).
 
 For every setting of the grid (``--set`` overrides of ``train`` / ``drafter``, e.g. anchors per
 sequence, gamma, the learning rate and its schedule, the initialisation), it
@@ -123,13 +124,29 @@ def run_point(i: int, overrides: dict, a, work: Path) -> dict:
         "cpu",
         "--no-baseline",
         "--json",
+        "--temperature",
+        a.temperatures,
+        "--top-p",
+        a.top_p,
+        "--top-k",
+        a.top_k,
         env=env,
     )
     if r.returncode:
         raise SystemExit(f"setting {overrides}: eval failed:\n{r.stderr[-2000:]}")
     ev = json.loads(r.stdout)
     last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-10:]
+    walk = [x["walk_tau"] for x in last if x.get("walk_tau") is not None]
+    by_t = {
+        str(x["sampling"].get("temperature", 0)): {
+            "tau": x["tau"],
+            "per_position_acceptance": x["per_position_acceptance"][:4],
+        }
+        for x in ev.get("runs") or [ev]
+    }
     return {
+        "by_temperature": by_t,
+        "train_walk_tau_end": round(statistics.mean(walk), 3) if walk else None,
         "overrides": overrides,
         "probe_step_s": round(step_s, 3),
         "steps": done,
@@ -180,6 +197,9 @@ def main() -> int:
     ap.add_argument("--max-passes", type=int, default=60)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperatures", default="0", help="eval temperatures, comma-separated (0 = greedy)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="eval top-p at T > 0 (the DFlash2 protocol's)")
+    ap.add_argument("--top-k", type=int, default=20, help="eval top-k at T > 0 (the DFlash2 protocol's)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "demo_sweep")
     a = ap.parse_args()
@@ -193,8 +213,11 @@ def main() -> int:
         for i, overrides in enumerate(grid):
             rec = run_point(i, overrides, a, Path(work))
             results.append(rec)
+            taus = " ".join(f"T={t}: {v['tau']:.3f}" for t, v in rec["by_temperature"].items())
+            walk = f"  train walk tau {rec['train_walk_tau_end']}" if rec["train_walk_tau_end"] else ""
             print(
-                f"{rec['tau']:.3f}  {rec['steps']:>5} steps  {rec['train_s']:>6.0f} s  "
+                f"{taus}  {rec['steps']:>5} steps  {rec['train_s']:>6.0f} s  step {rec['probe_step_s']} s  "
+                f"train tau {rec['train_tau_end']}{walk}  "
                 f"acc {' '.join(f'{x:.2f}' for x in rec['per_position_acceptance'])}  {overrides}",
                 flush=True,
             )

@@ -2,6 +2,7 @@
 weights, the checkpoint's names, shapes and config.json, and the logit transform."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -241,3 +242,39 @@ def test_logit_transform_reaches_inference_and_training():
         raw = out @ m.lm_head_weight.t()
         torch.testing.assert_close(m.logits(out), 2.0 * torch.tanh(raw * 0.25))
     assert float(m.draft_block(b["hidden"][:10], 3).abs().max()) <= 2.0
+
+
+REF2 = os.environ.get("DFLASH2_REFERENCE_MODEL_PY", "")
+
+
+@pytest.mark.skipif(
+    not REF2, reason="set DFLASH2_REFERENCE_MODEL_PY to z-lab/dflash's DFlash2 dflash/model.py"
+)
+def test_reference_dflash2_loads_our_checkpoint_and_agrees(tmp_path):
+    """z-lab's DFlash2DraftModel loads the checkpoint with no missing or unexpected keys, and its block
+    states through our frozen head equal ours (nothing is downloaded: the file is given)."""
+    import importlib.util
+
+    import torch.nn.functional as F
+
+    spec = importlib.util.spec_from_file_location("dflash2_reference_model", REF2)
+    ref_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref_mod)
+    ours = randomise(v2_like(make_drafter(block=8), block=8, is_causal=False)).eval()
+    save_drafter(ours, tmp_path / "d")
+    ref, info = ref_mod.DFlash2DraftModel.from_pretrained(
+        tmp_path / "d", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ref = ref.eval()
+    b = packed_batch([37])
+    ids = torch.full((1, 8), ours.mask_token_id)
+    ids[0, 0] = 77
+    with torch.no_grad():
+        h = ref(
+            position_ids=torch.arange(37 + 8)[None],
+            noise_embedding=F.embedding(ids, ours.embed_weight),
+            target_hidden=b["hidden"].reshape(1, 37, -1),
+        )
+        theirs = F.linear(h[0, 1:], ours.lm_head_weight)
+        torch.testing.assert_close(ours.draft_block(b["hidden"], 77), theirs, atol=1e-5, rtol=1e-5)

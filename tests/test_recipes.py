@@ -201,3 +201,45 @@ def test_moe_recipe_taps_and_tp_against_the_public_geometry(name):
         check_tp(text, too_many)
     d, _ = disk_requirements(ROOT / "configs" / name, 4, 3000, None, None, None, tp=tp)
     assert d["extract_workers"] == 4 // tp and d["bytes_per_token"] == RECIPES[name][5] + 5
+
+
+# DFlash2 recipe -> its DFlash twin (same target, data and extract settings: the same stored shards)
+DFLASH2 = {"qwen3-8b-dflash2.toml": "qwen3-8b.toml", "qwen3.5-27b-dflash2.toml": "qwen3.5-27b.toml"}
+
+
+@pytest.mark.parametrize("name", sorted(DFLASH2))
+def test_dflash2_recipe_has_the_released_architecture_and_fits_an_80gb_gpu(name):
+    import torch
+
+    from dflash_staged.model.drafter import DFlashDrafter
+    from dflash_staged.train.memory import estimate, row_budget
+
+    twin = DFLASH2[name]
+    cfg, base = load_config(ROOT / "configs" / name), load_config(ROOT / "configs" / twin)
+    assert (cfg.target, cfg.data, cfg.extract) == (base.target, base.data, base.extract)
+    layers, hidden, vocab, geometry, mask_id, _ = RECIPES[twin]
+    ids = cfg.target.target_layer_ids
+    d = DraftModelConfig.from_config(cfg, hidden, vocab, layers, ids, mask_id)
+    out = d.to_dict()
+    assert out["architectures"] == ["DFlash2DraftModel"] and out["is_causal"] is False
+    assert out["layer_types"] == ["sliding_attention"] * 5 and out["sliding_window"] == 2048
+    assert out["dflash_config"] == {
+        "block_size": 8,
+        "mask_token_id": mask_id,
+        "target_layer_ids": ids,
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 256,
+        "selector_top_k": 16,
+    }
+    assert {k: getattr(d, k) for k in geometry} == geometry
+    assert (cfg.train.lr, cfg.train.gamma, cfg.train.num_anchors, cfg.train.selector_alpha) == (
+        5e-4,
+        7.0,
+        512,
+        1.0,
+    )
+    with torch.device("meta"):
+        drafter = DFlashDrafter(d, torch.empty(vocab, hidden), torch.empty(vocab, hidden))
+    est = estimate(drafter, cfg.train, torch.device("cuda"), device_bytes=80 * 2**30)
+    assert row_budget(est, cfg.train, 8) >= cfg.train.num_anchors * 8
