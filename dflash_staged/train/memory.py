@@ -87,7 +87,7 @@ def estimate(
     if c.architecture == "dflash2":  # four convolutions a layer; the selector's candidates (fp32)
         conv_row = CONV_ROW_ELEMS * (2 * c.conv_kernel_size + 1) * H
         rows_elems += conv_row if t.activation_checkpointing else L * conv_row
-        selector_row = 3 * c.selector_top_k * c.selector_rank * 4
+        selector_row = selector_row_bytes(c)
     taps = len(c.target_layer_ids)
     kv = 2 * c.num_key_value_heads * c.head_dim
     ctx_elems = t.microbatch_tokens * (taps * H + 2 * H + L * kv * (1 if t.activation_checkpointing else 2))
@@ -100,6 +100,11 @@ def estimate(
         loss=3 * min(t.loss_chunk, t.microbatch_tokens * c.block_size) * c.vocab_size * 4,
         device_bytes=device_bytes,
     )
+
+
+def selector_row_bytes(c) -> int:
+    """DFlash2's selector a row: the candidates' fp32 codebook rows, their scores and gradients."""
+    return 3 * c.selector_top_k * c.selector_rank * 4
 
 
 def row_budget(est: MemoryEstimate, t: TrainConfig, block_size: int) -> int:
