@@ -1,8 +1,11 @@
-"""Disk-staged pipeline vs the old in-memory queue handoff, with a synthetic target.
+"""Disk-staged pipeline vs the old in-memory queue handoff, with a synthetic target, in three regimes.
 
 A synthetic target produces hidden states [T, K, H] (bf16) at a chosen token rate;
 a synthetic trainer consumes them at another rate (its "step" is a sleep of
-tokens / rate). Both designs move the same tensors:
+tokens / rate). Three regimes (``--regimes``), from the slower side's rate ``--rate`` and
+``--factor``: extraction faster (target ``rate x factor``, trainer ``rate``), balanced (both
+``rate``), training faster (target ``rate``, trainer ``rate x factor``). Both designs move the
+same tensors:
 
 * staged: producer *processes* claim jobs from a real manifest (window-bounded),
   write shards with the real store (fsync + atomic publish under the claim), and
@@ -12,10 +15,13 @@ tokens / rate). Both designs move the same tensors:
 * queue: a producer thread hands tensors to the trainer thread through an
   unbounded ``queue.Queue`` (the old design).
 
-Reported per design: end-to-end samples/s, the trainer's data-wait share, peak
-store bytes (staged) and peak trainer RSS, at 1x and 10x the dataset size.
+Reported per regime, scale and design: end-to-end samples/s, both sides' idle shares
+(:mod:`dflash_staged.manifest.balance`: the producers' time on a full window, which the unbounded
+queue never has, and the trainer's data wait), peak store bytes (staged) and peak trainer RSS, at
+each ``--scales`` multiple of ``--jobs``; then per regime the staged/queue throughput ratio and the
+bottleneck the staged run's figures name (what ``dflash status`` would say).
 
-    .venv/bin/python bench/pipeline_bench.py [--jobs 24] [--json]
+    .venv/bin/python bench/pipeline_bench.py [--jobs 24] [--scales 1] [--regimes balanced] [--json]
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_staged.config import Config  # noqa: E402
 from dflash_staged.manifest import Manifest  # noqa: E402
+from dflash_staged.manifest.balance import SIDES, shares, verdict  # noqa: E402
 from dflash_staged.store import ShardStore, StoreMeta  # noqa: E402
 from dflash_staged.train.buffer import ShardBuffer, bound_host_memory  # noqa: E402
 from dflash_staged.train.sources import LiveSource  # noqa: E402
@@ -94,18 +101,33 @@ def synthetic_hidden(tokens: int, K: int, H: int) -> torch.Tensor:
     return torch.randn(tokens, K, H, generator=g).to(torch.bfloat16)
 
 
-def producer_proc(mdir: str, sdir: str, rate: float, window: int, K: int, H: int, idx: int) -> None:
+def producer_proc(
+    mdir: str, sdir: str, rate: float, window: int, K: int, H: int, idx: int, out, ready
+) -> None:
+    """One producer; starts with the others (``ready``: a barrier), and puts its seconds busy / on a
+    full window / with nothing to claim on ``out`` at the end, counted as an extract worker counts
+    them (from its first claim, each pass by what its claim got)."""
     torch.set_num_threads(1)
     m = Manifest.open(mdir)
     store = ShardStore.open(sdir)
+    ready.wait()
     cache: dict[int, torch.Tensor] = {}
+    seconds = dict.fromkeys(SIDES["extract"], 0.0)
+    kind, mark = None, time.perf_counter()
     while True:
+        now = time.perf_counter()
+        if kind is not None:
+            seconds[kind] += now - mark
+        mark = now
         r = m.claim(f"p{idx}", window=window, lease_s=600)
         if r.job is None:
+            kind = "window_full_s" if r.window_full else "no_work_s"
             if r.nothing_left:
+                out.put(seconds)
                 return
             time.sleep(0.005)
             continue
+        kind = "busy_s"
         t0 = time.perf_counter()
         T = r.job.real_tokens
         hidden = cache.setdefault(T, synthetic_hidden(T, K, H))
@@ -170,10 +192,21 @@ def run_staged(jobs: int, a) -> dict:
         sampler = RssSampler(root / "store")
         sampler.start()
         ctx = mp.get_context("spawn")
+        out, ready = ctx.Queue(), ctx.Barrier(a.producers)
         procs = [
             ctx.Process(
                 target=producer_proc,
-                args=(str(m.dir), str(store.root), a.producer_tok_s / a.producers, a.window, a.K, a.H, i),
+                args=(
+                    str(m.dir),
+                    str(store.root),
+                    a.producer_tok_s / a.producers,
+                    a.window,
+                    a.K,
+                    a.H,
+                    i,
+                    out,
+                    ready,
+                ),
             )
             for i in range(a.producers)
         ]
@@ -219,14 +252,22 @@ def run_staged(jobs: int, a) -> dict:
                 release(m, store, consumed_since)
         release(m, store, consumed_since)
         wall = time.perf_counter() - t_start
+        produced = [out.get(timeout=60) for _ in procs]
         for p in procs:
             p.join()
         sampler.stop.set()
         buf.close()
         assert m.counts()["released"] == jobs, m.counts()
+        extract_s = {k: sum(p[k] for p in produced) for k in SIDES["extract"]}
+        train_s = {"busy_s": wall - wait, "data_wait_s": wait}
+        v = verdict(extract_s, train_s, a.producers, 1, unit="devices")
         return {
             "samples_per_s": done_samples / wall,
             "data_wait_frac": wait / wall,
+            "producer_full_frac": shares(extract_s)["window_full_s"],
+            "producer_seconds": extract_s,
+            "bottleneck": v["bottleneck"],
+            "verdict": v["text"],
             "wall_s": wall,
             "peak_store_bytes": sampler.peak_disk,
             "peak_rss_bytes": sampler.peak_rss,
@@ -285,9 +326,17 @@ def run_queue(jobs: int, a) -> dict:
     return {
         "samples_per_s": done / wall,
         "data_wait_frac": wait / wall,
+        "producer_full_frac": 0.0,  # an unbounded queue never makes the producer wait
         "wall_s": wall,
         "peak_rss_bytes": sampler.peak_rss,
     }
+
+
+REGIMES = {  # (target, trainer) rates in units of --rate; the other side is --factor times faster
+    "extract_faster": lambda f: (f, 1.0),
+    "balanced": lambda f: (1.0, 1.0),
+    "train_faster": lambda f: (1.0, f),
+}
 
 
 def main() -> None:
@@ -296,10 +345,9 @@ def main() -> None:
     p.add_argument("--tokens-per-job", type=int, default=2048)
     p.add_argument("--K", type=int, default=5)
     p.add_argument("--H", type=int, default=512)
-    p.add_argument(
-        "--producer-tok-s", type=float, default=40_000, help="synthetic target rate (all producers)"
-    )
-    p.add_argument("--consumer-tok-s", type=float, default=20_000, help="synthetic trainer rate")
+    p.add_argument("--rate", type=float, default=20_000, help="the slower side's tokens/s (all producers)")
+    p.add_argument("--factor", type=float, default=2.0, help="how much faster the faster side is")
+    p.add_argument("--regimes", default=",".join(REGIMES), help=f"any of {', '.join(REGIMES)}")
     p.add_argument("--producers", type=int, default=2)
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--capacity", type=int, default=4)
@@ -310,46 +358,74 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the staged store goes (default: the temp dir)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    regimes = [r.strip() for r in a.regimes.split(",") if r.strip()]
+    bad = [r for r in regimes if r not in REGIMES]
+    if bad:
+        p.error(f"--regimes: unknown {', '.join(bad)}; use any of {', '.join(REGIMES)}")
+    scales = [int(s) for s in a.scales.split(",")]
     torch.set_num_threads(1)
     bound_host_memory()  # as dflash train does; applies to both designs
     res: dict = {"settings": {k: v for k, v in vars(a).items() if k != "json"}}
     mb = a.tokens_per_job * a.K * a.H * 2 / 2**20
+    print(f"shard {mb:.1f} MiB; {a.producers} producers, window {a.window}")
     print(
-        f"shard {mb:.1f} MiB; producer {a.producer_tok_s:,.0f} tok/s > consumer {a.consumer_tok_s:,.0f} tok/s"
+        f"{'regime':>14} {'scale':>5} {'design':>7} {'samples/s':>10} {'prod idle':>9} {'wait %':>7} "
+        f"{'peak store':>11} {'peak RSS':>9} {'wall s':>7}"
     )
-    print(
-        f"{'scale':>5} {'design':>7} {'samples/s':>10} {'wait %':>7} {'peak store':>11} {'peak RSS':>9} "
-        f"{'wall s':>7}"
-    )
-    for scale in [int(s) for s in a.scales.split(",")]:
-        jobs = a.jobs * scale
-        for name, fn in (("queue", run_queue), ("staged", run_staged)):
-            r = fn(jobs, a)
-            res[f"{name}_x{scale}"] = r
-            print(
-                f"{scale:>5} {name:>7} {r['samples_per_s']:>10.2f} {100 * r['data_wait_frac']:>6.2f}% "
-                f"{r.get('peak_store_bytes', 0) / 2**20:>9.1f}Mi {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
-                f"{r['wall_s']:>7.2f}"
-            )
-    s1 = res["staged_x1"]
-    res["throughput_ratio_vs_queue"] = {
-        f"x{s}": res[f"staged_x{s}"]["samples_per_s"] / res[f"queue_x{s}"]["samples_per_s"]
-        for s in [int(x) for x in a.scales.split(",")]
-    }
-    last = int(a.scales.split(",")[-1])
-    res["staged_disk_growth"] = res[f"staged_x{last}"]["peak_store_bytes"] / max(1, s1["peak_store_bytes"])
-    res["staged_rss_growth"] = res[f"staged_x{last}"]["peak_rss_bytes"] / max(1, s1["peak_rss_bytes"])
-    res["queue_rss_growth"] = res[f"queue_x{last}"]["peak_rss_bytes"] / max(
-        1, res["queue_x1"]["peak_rss_bytes"]
-    )
-    print(
-        f"staged/queue throughput: {res['throughput_ratio_vs_queue']}; staged data-wait "
-        f"{100 * res[f'staged_x{last}']['data_wait_frac']:.2f}%; growth x{last}: disk "
-        f"{res['staged_disk_growth']:.2f}x, "
-        f"staged RSS {res['staged_rss_growth']:.2f}x, queue RSS {res['queue_rss_growth']:.2f}x"
-    )
+    for regime in regimes:
+        prod, cons = REGIMES[regime](a.factor)
+        a.producer_tok_s, a.consumer_tok_s = prod * a.rate, cons * a.rate
+        for scale in scales:
+            for name, fn in (("queue", run_queue), ("staged", run_staged)):
+                r = fn(a.jobs * scale, a)
+                res[f"{regime}/{name}_x{scale}"] = r
+                print(
+                    f"{regime:>14} {scale:>5} {name:>7} {r['samples_per_s']:>10.2f} "
+                    f"{100 * r['producer_full_frac']:>8.2f}% {100 * r['data_wait_frac']:>6.2f}% "
+                    f"{r.get('peak_store_bytes', 0) / 2**20:>9.1f}Mi {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
+                    f"{r['wall_s']:>7.2f}"
+                )
+        res[regime] = summarize(res, regime, scales, a)
+    for regime in regimes:
+        x = res[regime]
+        print(
+            f"{regime}: target {x['target_tok_s']:,.0f} tok/s, trainer {x['trainer_tok_s']:,.0f} tok/s | "
+            f"staged/queue throughput {x['throughput_ratio_vs_queue']} | staged x{scales[-1]}: producers "
+            f"idle {100 * x['producer_full_frac']:.2f}% on a full window, trainer data wait "
+            f"{100 * x['data_wait_frac']:.2f}% | growth x{scales[-1]}: disk {x['staged_disk_growth']:.2f}x, "
+            f"staged RSS {x['staged_rss_growth']:.2f}x, queue RSS {x['queue_rss_growth']:.2f}x\n"
+            f"  bottleneck: {x['verdict']}"
+        )
     if a.json:
         print(json.dumps(res))
+
+
+def summarize(res: dict, regime: str, scales: list[int], a) -> dict:
+    """One regime's figures: the ratio per scale, the largest scale's idle shares and verdict, growth."""
+    first, last = scales[0], scales[-1]
+    staged, queue_ = res[f"{regime}/staged_x{last}"], res[f"{regime}/queue_x{last}"]
+    return {
+        "target_tok_s": a.producer_tok_s,
+        "trainer_tok_s": a.consumer_tok_s,
+        "throughput_ratio_vs_queue": {
+            f"x{s}": round(
+                res[f"{regime}/staged_x{s}"]["samples_per_s"] / res[f"{regime}/queue_x{s}"]["samples_per_s"],
+                4,
+            )
+            for s in scales
+        },
+        "producer_full_frac": staged["producer_full_frac"],
+        "data_wait_frac": staged["data_wait_frac"],
+        "queue_data_wait_frac": queue_["data_wait_frac"],
+        "bottleneck": staged["bottleneck"],
+        "verdict": staged["verdict"],
+        "staged_disk_growth": staged["peak_store_bytes"]
+        / max(1, res[f"{regime}/staged_x{first}"]["peak_store_bytes"]),
+        "staged_rss_growth": staged["peak_rss_bytes"]
+        / max(1, res[f"{regime}/staged_x{first}"]["peak_rss_bytes"]),
+        "queue_rss_growth": queue_["peak_rss_bytes"]
+        / max(1, res[f"{regime}/queue_x{first}"]["peak_rss_bytes"]),
+    }
 
 
 if __name__ == "__main__":

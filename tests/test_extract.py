@@ -7,10 +7,11 @@ import time
 import torch
 
 from dflash_staged.manifest import Manifest
+from dflash_staged.manifest.balance import format_balance
 from dflash_staged.model.target import load_target
 from dflash_staged.store import ShardStore
 
-from helpers import dflash, plan, run_dflash
+from helpers import dflash, plan, run_dflash, status
 
 
 def _window(mdir):
@@ -43,6 +44,12 @@ def test_extract_two_workers_end_to_end(tmp_path):
     out = p.communicate()[0]
     assert p.returncode == 0, out
     assert max(samples) <= 4
+    # the workers' busy and idle seconds: the same figures in the closing lines and in `dflash status`
+    b = status(mdir)["balance"]
+    assert not b["extract"]["live"] and b["extract"]["devices"] == ["cpu", "cpu"] and b["train"] is None
+    assert b["extract"]["total"]["busy_s"] > 0
+    logged = [x for x in out.splitlines() if x.startswith("extract: time (whole run): extract busy ")]
+    assert logged == ["extract: " + format_balance(b)[1].replace(", finished", "")], out
     counts = m.counts()
     assert counts["pending"] == counts["claimed"] == counts["failed"] == 0
     # every shard equals a fresh single-sample forward of its samples

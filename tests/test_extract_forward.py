@@ -13,7 +13,7 @@ import torch
 from dflash_staged.extract import forward
 from dflash_staged.extract.forward import bind_device, cuda_index, describe_failure
 from dflash_staged.extract.group import Group
-from dflash_staged.extract.messages import JobError
+from dflash_staged.extract.messages import JobError, Seconds
 from dflash_staged.extract.worker import Lease, Publisher, _loop
 
 from helpers import extract_world, tiny_target
@@ -37,10 +37,11 @@ def world(tmp_path, target):
 
 
 def run_loop(m, target, publisher, lease, opts, keep_going=lambda: True) -> list:
-    """The worker loop until nothing is left (or ``keep_going()`` turns false); the reports it sent."""
+    """The worker loop until nothing is left (or ``keep_going()`` turns false); the reports it sent
+    (not its busy and idle seconds)."""
     q = queue.Queue()
     _loop(m, target, publisher, lease, opts, 0, q, keep_going=keep_going, group=Group())
-    return [q.get_nowait() for _ in range(q.qsize())]
+    return [x for x in (q.get_nowait() for _ in range(q.qsize())) if not isinstance(x, Seconds)]
 
 
 # ---------------------------------------------------------------------------------------------- the device

@@ -71,6 +71,8 @@ def test_side_by_side(tmp_path, arch):
     assert windows and max(windows) <= 16
     st = status(mdir)
     assert st["extract_done"] and st["jobs"]["released"] == st["total_jobs"]
+    b = st["balance"]  # both sides' final busy and idle seconds (dflash_staged.manifest.balance)
+    assert b["extract"]["total"]["busy_s"] > 0 and b["train"]["total"]["busy_s"] > 0, b
     assert not list(store.glob("shards/e*/j*"))
     lines = metrics(run)
     assert [x["step"] for x in lines] == list(range(1, len(lines) + 1))

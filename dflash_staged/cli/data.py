@@ -100,7 +100,8 @@ def data_show(config_path, data_path, num, lines, html_path, color, skip_bad):
 )
 @user_errors
 def status_cmd(manifest_dir, as_json, list_jobs):
-    """Show job states, the window and progress of a manifest."""
+    """Show job states, the window and progress of a manifest, and both sides' busy and idle time
+    (extract on a full window, train waiting for data) with the bottleneck."""
     import json
 
     from dflash_staged.manifest import Manifest

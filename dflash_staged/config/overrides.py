@@ -34,6 +34,8 @@ REPLAY_OVERRIDABLE = {
         "conv_group_size",
         "selector_rank",
         "selector_top_k",
+        "output_multiplier",
+        "final_logit_softcapping",
     },
     "train": {f.name for f in fields(TrainConfig)},
 }

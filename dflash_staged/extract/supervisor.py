@@ -19,6 +19,11 @@ With a live trainer, extract stays (idle) once everything is extracted, so it ca
 shards that fail verification; a trainer started beside it gets a while to register first (the
 stay rule, :func:`~dflash_staged.extract.worker.should_stay`).
 
+The workers' busy and idle seconds (busy, on a full window, nothing to claim:
+:mod:`dflash_staged.manifest.balance`) are summed here, published with this process's registration
+every ``PUBLISH_S`` and once more at the end, shown on the progress line (the last minute) and, with
+the trainer's and the bottleneck, in the closing lines.
+
 Each worker reports (:mod:`dflash_staged.extract.messages`) on a status queue of its own, new at
 each start: a process killed while it writes to a multiprocessing queue leaves the queue's write
 lock held, and every other writer of that queue (and its exit, which flushes the queue) would
@@ -27,6 +32,7 @@ block on it forever.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -41,11 +47,13 @@ import click
 
 from dflash_staged.children import Children, Progress, SpawnedChild
 from dflash_staged.errors import DflashError
-from dflash_staged.extract.messages import Status, WorkerError
+from dflash_staged.extract.messages import Seconds, Status, WorkerError
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, EXIT_RESTART, ExtractOptions
 from dflash_staged.extract.worker import POLL_S, TRAINER_COMING_S, TRAINER_GRACE_S, should_stay, worker_main
 from dflash_staged.manifest import Manifest
+from dflash_staged.manifest.balance import PUBLISH_S, SIDES, Tally, format_balance, shares
 from dflash_staged.manifest.window import WindowSettings
+from dflash_staged.procs import my_identity
 from dflash_staged.store import ShardStore
 
 GROUP_RESTARTS = 3  # restarts in a row of a tensor-parallel group (a rank killed, or its forward raised)
@@ -67,9 +75,13 @@ class _Worker:
     tokens_mark: int = 0  # tokens extracted (all workers) at its previous restart
     wait_since: float = 0.0  # when a group's first rank exited on its own (the others then get GROUP_GRACE_S)
     queue: object = None  # its own status queue, new at each start (see the module docstring)
+    seconds: dict = field(default_factory=dict)  # its latest Seconds (this start's)
+    base: dict = field(default_factory=dict)  # the seconds of its earlier starts
 
     def start(self, ctx, opts: ExtractOptions, tmp: str | None) -> None:
         init = os.path.join(tmp, f"group{self.index}-{self.restarts}") if tmp else None
+        self.base = {k: self.base.get(k, 0.0) + self.seconds.get(k, 0.0) for k in SIDES["extract"]}
+        self.seconds = {}
         self.wait_since = 0.0
         self.queue = ctx.Queue()
         self.procs = []
@@ -149,6 +161,9 @@ class ExtractSupervisor:
         self.workers = [_Worker(i, g) for i, g in enumerate(opts.groups)]
         self.children = Children(lambda: [p for w in self.workers for p in w.procs])
         self.messages: list[str] = []  # the workers' reports, printed at the end
+        self.tally = Tally(SIDES["extract"], time.monotonic())  # the workers' seconds (manifest.balance)
+        self.published, self.figures = 0.0, self.tally.snapshot(time.monotonic())
+        self.balance_lines: list[str] = []
 
     def run(self) -> int:
         m, opts = self.m, self.opts
@@ -168,6 +183,9 @@ class ExtractSupervisor:
             for msg in self.messages:
                 click.echo(f"extract: {msg}", err=True)
             _remove_dead_leftovers(opts, m)
+            self._publish(final=True)
+            with contextlib.suppress(DflashError):
+                self.balance_lines = format_balance(m.balance())
             m.unregister(proc_id)
             if self.tmp:
                 shutil.rmtree(self.tmp, ignore_errors=True)
@@ -182,6 +200,8 @@ class ExtractSupervisor:
             f"{g['trained']} consumed, {c['pending']} pending, {c['failed']} failed "
             f"| window {win['shards']} shards, {win['bytes']:,} bytes"
         )
+        for line in self.balance_lines:
+            click.echo(f"extract: {line}")
         if opts.trainer_coming and not opts.trainer_seen and not stopped:
             click.echo(
                 f"extract: no trainer registered on {m.address} within {TRAINER_COMING_S:.0f} s, "
@@ -215,10 +235,18 @@ class ExtractSupervisor:
             done = total - prog["jobs"]["to_extract"] - c["failed"]
             rate = (prog["tokens"]["extracted"] - tokens0) / max(1e-9, time.time() - t0)
             wait = "waiting: window full" if win["shards"] >= opts.window and c["pending"] else "working"
+            fig = self._publish()
+            recent = shares(fig["recent"])
+            idle = (
+                f"last {fig['recent_s']:.0f} s: busy {recent['busy_s']:.0%}, window full "
+                f"{recent['window_full_s']:.0%}, nothing to claim {recent['no_work_s']:.0%}"
+                if sum(fig["recent"].values()) > 0
+                else "no busy/idle figures yet"
+            )
             progress.show(
                 done,
                 f"jobs {done}/{total} | {rate:,.0f} real tok/s | window {win['shards']}/"
-                f"{opts.window} shards {win['bytes'] / 2**20:,.1f} MiB | {wait}",
+                f"{opts.window} shards {win['bytes'] / 2**20:,.1f} MiB | {wait} | {idle}",
             )
             if all(w.code is not None for w in self.workers):
                 return
@@ -285,14 +313,42 @@ class ExtractSupervisor:
         else:
             w.code = code
 
+    def _publish(self, final: bool = False) -> dict:
+        """The workers' seconds (each second once per device of a worker) summed; every PUBLISH_S,
+        and as the final figures, a snapshot published with this process's registration
+        (:mod:`dflash_staged.manifest.balance`). Returns the latest snapshot."""
+        now = time.monotonic()
+        if not final and now - self.published < PUBLISH_S:
+            return self.figures
+        self.tally.set(
+            {
+                k: sum((w.base.get(k, 0.0) + w.seconds.get(k, 0.0)) * len(w.devices) for w in self.workers)
+                for k in SIDES["extract"]
+            }
+        )
+        host, self.published = my_identity()[0], now
+        self.figures = {
+            **self.tally.snapshot(now),
+            **{"t": time.time(), "devices": self.opts.devices, "tp": self.opts.tp, "host": host},
+            **{"run": host, "rank": None},
+        }
+        try:
+            self.m.report("extract", self.figures, final=final)
+        except DflashError as e:  # best effort: not worth stopping for
+            click.echo(f"extract: could not publish the busy/idle figures: {e}", err=True)
+        return self.figures
+
     def _drain_status(self) -> None:
-        """The workers' reports, once each, into ``messages``."""
+        """The workers' reports, once each, into ``messages``; their seconds into ``_Worker.seconds``."""
         for w in self.workers:
             while w.queue is not None:
                 try:
                     msg = w.queue.get_nowait()
                 except (queue.Empty, EOFError, OSError):
                     break
+                if isinstance(msg, Seconds):
+                    w.seconds = msg.seconds
+                    continue
                 if not isinstance(msg, Status):
                     continue  # (a test hook's own)
                 if isinstance(msg, WorkerError) and any(x.endswith(f": {msg.text}") for x in self.messages):

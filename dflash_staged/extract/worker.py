@@ -3,7 +3,9 @@
 Each worker loops (see :mod:`dflash_staged.extract.supervisor` for the process model):
 
 1. claim the next pending job in manifest order, in the same transaction that checks the window
-   (:meth:`~dflash_staged.manifest.Manifest.claim`); while the window is full it waits;
+   (:meth:`~dflash_staged.manifest.Manifest.claim`); while the window is full it waits (the seconds
+   it spends busy, on a full window or with nothing to claim go to the supervisor:
+   :class:`~dflash_staged.extract.messages.Stopwatch`);
 2. keep its lease alive from a heartbeat thread (:class:`Lease`);
 3. build the right-padded batch, run the early-stopped forward
    (:meth:`dflash_staged.model.target.Target.capture`), drop the padding;
@@ -50,7 +52,7 @@ from dflash_staged.extract.forward import (
     job_forward,
 )
 from dflash_staged.extract.group import Group, GroupBroken, follow
-from dflash_staged.extract.messages import JobError, WorkerError
+from dflash_staged.extract.messages import JobError, Stopwatch, WorkerError
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, EXIT_RESTART, ExtractOptions
 from dflash_staged.manifest import Job, Manifest
 from dflash_staged.procs import die_with_parent
@@ -216,19 +218,24 @@ def _loop(
     keep_going,
     group: Group,
 ) -> None:
-    """Claim, compute, hand over, until nothing is left (or ``keep_going()`` turns false)."""
-    worker_id = f"w{rank}-{os.getpid()}"
-    while keep_going():
+    """Claim, compute, hand over, until nothing is left (or ``keep_going()`` turns false). Each pass
+    from one claim to the next is busy, on a full window or with nothing to claim
+    (:mod:`dflash_staged.manifest.balance`); the seconds go to the supervisor (:class:`Stopwatch`)."""
+    worker_id, watch = f"w{rank}-{os.getpid()}", Stopwatch(rank, status_q)
+    while watch.going(keep_going):
         hidden = None  # the previous job's states are the writer's now: not held through this forward
         if publisher.error is not None:
             raise publisher.error
         r = m.claim(worker_id, window=opts.window, window_bytes=opts.window_bytes, lease_s=opts.lease_s)
         if r.job is None:
+            watch.kind = "window_full_s" if r.window_full else "no_work_s"
             if r.nothing_left and not should_stay(m, opts):
+                watch.lap(send=True)
                 return
             group.idle()
             time.sleep(POLL_S)
             continue
+        watch.kind = "busy_s"
         job = r.job
         lease.hold(job)
         error, in_forward, counted = None, False, True

@@ -1,6 +1,7 @@
 """``dflash pipeline`` and ``dflash node``: plan if needed, then extract and train side by side.
 
-``bin/pipeline`` and ``bin/node`` are thin wrappers over these two commands.
+``bin/pipeline`` and ``bin/node`` are thin wrappers over these two commands. ``dflash node --split
+auto`` measures the node before choosing its split: :mod:`dflash_staged.launch.probe`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import click
 
 from dflash_staged.errors import user_errors
+from dflash_staged.launch.probe import PROBE_JOBS, auto_node_layout
 from dflash_staged.launch.processes import DEFAULT_TARGET_TOK_S, node_layout, pipeline_layout
 from dflash_staged.sizes import ByteSize
 
@@ -155,18 +157,46 @@ def pipeline(**o):
 @_common
 @click.option(
     "--extract-gpus",
-    required=True,
+    default=None,
     help="GPUs running the target, one extract worker each (with --tp N: each N): 0,1,2,3 or 0-3.",
 )
 @click.option(
-    "--train-gpus", required=True, help="GPUs training the drafter (torchrun ranks): 4,5,6,7 or 4-7."
+    "--train-gpus", default=None, help="GPUs training the drafter (torchrun ranks): 4,5,6,7 or 4-7."
+)
+@click.option(
+    "--split",
+    type=click.Choice(["auto"]),
+    default=None,
+    help="Instead of --extract-gpus/--train-gpus: measure one extract worker and one trainer rank on "
+    "this node (real jobs of the plan), then split --devices for the most throughput (docs/gpu.md); "
+    "with --dry-run it still plans and measures, then prints the commands.",
+)
+@click.option(
+    "--devices",
+    default=None,
+    help="With --split auto: the node's devices, GPU ids (0-7) or cpu,cpu,... [default: every visible GPU].",
+)
+@click.option(
+    "--probe-jobs",
+    type=click.IntRange(min=2),
+    default=PROBE_JOBS,
+    show_default=True,
+    help="With --split auto: jobs the extract probe writes (they are jobs of the run).",
+)
+@click.option(
+    "--train-scaling",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --split auto: data-parallel efficiency of several trainer ranks (1 = linear).",
 )
 @click.option(
     "--target-tok-s",
     type=float,
     default=None,
     help="Assumed extract tokens/s per extract worker (one GPU, or one group of --tp GPUs), for the "
-    "disk bandwidth it prints [default: 8000, an 8B dense target in bf16 on an H100-class GPU].",
+    "disk bandwidth it prints [default: the rate --split auto measures, else 8000, an 8B dense target "
+    "in bf16 on an H100-class GPU].",
 )
 @click.option(
     "--hidden-size",
@@ -176,9 +206,27 @@ def pipeline(**o):
 )
 @user_errors
 def node(**o):
-    """One GPU node: extract on --extract-gpus, train under torchrun on --train-gpus, side by side.
+    """One GPU node: extract on --extract-gpus, train under torchrun on --train-gpus, side by side;
+    or --split auto: measure both on this node and choose the split.
 
     Arguments after the options (e.g. `-- --max-steps 100`) go to `dflash train`.
     """
-    o["target_tok_s"] = o["target_tok_s"] or DEFAULT_TARGET_TOK_S
-    _launch(node_layout, o)
+    split, devices = o.pop("split"), o.pop("devices")
+    probe_jobs, scaling = o.pop("probe_jobs"), o.pop("train_scaling")
+    if split is None:
+        if devices is not None:
+            raise click.UsageError("--devices names the devices --split auto splits; add --split auto")
+        if not (o["extract_gpus"] and o["train_gpus"]):
+            raise click.UsageError(
+                "give --extract-gpus and --train-gpus, or --split auto to measure and choose them"
+            )
+        o["target_tok_s"] = o["target_tok_s"] or DEFAULT_TARGET_TOK_S
+        _launch(node_layout, o)
+    extract_gpus, train_gpus = o.pop("extract_gpus"), o.pop("train_gpus")
+    if extract_gpus or train_gpus:
+        raise click.UsageError(
+            "--split auto chooses the extract and train GPUs: give the node's with --devices, not "
+            "--extract-gpus/--train-gpus"
+        )
+    run = {k: o.pop(k) for k in ("status_every", "summary_json", "dry_run")}
+    sys.exit(_run_layout(auto_node_layout(o, devices, probe_jobs, scaling), **run))

@@ -1,6 +1,8 @@
 """The launcher's view of a run: a combined status line while it runs, and a summary at the end.
 
-Both read the manifest (read-only) and the store's size on disk; nothing here changes anything.
+Both read the manifest (read-only) and the store's size on disk; nothing here changes anything. Both
+show the two sides' idle shares and the bottleneck (:mod:`dflash_staged.manifest.balance`): the
+status line over the last minute, the summary over each side's last minute and its whole run.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from dflash_staged.fsutil import dir_bytes, write_json_atomic
 from dflash_staged.manifest import Manifest, group_counts
+from dflash_staged.manifest.balance import format_balance, short
 from dflash_staged.manifest.status import human_bytes as human
 
 
@@ -65,11 +68,12 @@ class Monitor:
         j, total = st["jobs"], max(1, st["total_jobs"])
         extracted, trained = st["groups"]["extracted"], st["groups"]["trained"]
         w = st["window"]
+        idle = short(st.get("balance"))
         return (
             f"jobs extracted {extracted}/{total}, trained {trained}/{total}"
             f"{', failed ' + str(j['failed']) if j['failed'] else ''} | window {w['shards']} shards "
             f"{human(w['bytes'])} | store {human(store_now)} "
-            f"(peak {human(self.peak_store)})"
+            f"(peak {human(self.peak_store)})" + (f" | {idle}" if idle else "")
         )
 
     def losses(self) -> tuple[int, float | None, float | None]:
@@ -121,6 +125,7 @@ def summary(
         "manifest": mon.m.address if mon.m else (str(mon.manifest) if mon.manifest else None),
         "store": str(mon.store) if mon.store else None,
         "run_dir": str(mon.run_dir) if mon.run_dir else None,
+        "balance": st.get("balance"),
     }
     say(
         f"summary: exit {code} | plan {plan_s:.1f} s, extract {ex.seconds():.1f} s (exit {ex.exit_code()}), "
@@ -133,6 +138,8 @@ def summary(
             f"{s['tokens_trained']:,} | peak store {human(mon.peak_store)} ({mon.peak_store:,} B), peak "
             f"window {mon.peak_window['shards']} shards"
         )
+    for line in format_balance(st.get("balance")):
+        say(line)
     if steps:
         say(
             f"training: {steps} steps, loss {first if first is None else f'{first:.4f}'} -> "

@@ -16,6 +16,10 @@ else the ids ``nvidia-smi`` shows; a list may use ranges (``0-3,6,7``). Extract 
 as G torchrun ranks (``dflash train --nproc G``) when G > 1, with ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
 raised so a clean stop has time to checkpoint.
 
+CPU node layout (``dflash node --split auto --devices cpu,cpu,...``: how CI runs the node launcher):
+each ``cpu`` device is a 1/n share of the cores (``OMP_NUM_THREADS``); extract runs one worker per
+extract device (``--devices cpu,...``), train ``--device cpu`` as ``--nproc G`` ranks (gloo) when G > 1.
+
 Both layouts give their children ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless the launcher's
 environment sets it), so CUDA numbers the GPUs as ``nvidia-smi`` does (its own default puts the
 fastest first). The disk arithmetic printed for a node layout is :mod:`dflash_staged.launch.disk`.
@@ -198,7 +202,7 @@ def pipeline_layout(
     )
 
 
-def _gpu_list(text: str) -> list[str] | None:
+def gpu_indices(text: str) -> list[str] | None:
     """'0,1,2,3' or '0-3' or '0-1,4,6-7' -> the indices in order; None when malformed."""
     out: list[str] = []
     for part in (t.strip() for t in text.split(",")):
@@ -211,7 +215,7 @@ def _gpu_list(text: str) -> list[str] | None:
 
 def parse_gpus(text: str, flag: str) -> list[str]:
     """'0,1,2,3' (or '0-3') -> physical ids, mapped through the launcher's CUDA_VISIBLE_DEVICES when set."""
-    items = _gpu_list(text)
+    items = gpu_indices(text)
     if not items or len(set(items)) != len(items):
         raise DflashError(
             f"{flag} {text!r}: give distinct GPU indices separated by commas or as ranges, "
@@ -289,5 +293,52 @@ def node_layout(
     )
     layout.disk_notes = lambda: disk_requirements(
         config, len(ex), target_tok_s, hidden_size, m, window, tp=tp
+    )[1]
+    return layout
+
+
+def cpu_threads(n_devices: int) -> int:
+    """Threads of one ``cpu`` device of a CPU node: its share of the cores."""
+    return max(1, (os.cpu_count() or 2) // max(1, n_devices))
+
+
+def cpu_node_layout(
+    config: Path,
+    data: Path,
+    workdir: Path,
+    *,
+    extract_cpus: int,
+    train_cpus: int,
+    epochs: int = 1,
+    seed: int = 0,
+    window=None,
+    window_bytes=None,
+    keep_shards: bool = False,
+    allow_slow_kernels: bool = False,
+    target_tok_s: float = DEFAULT_TARGET_TOK_S,
+    hidden_size: int | None = None,
+    train_args: tuple[str, ...] = (),
+    manifest: str | None = None,
+    tp: int = 1,
+) -> Layout:
+    """A node of ``extract_cpus + train_cpus`` CPU devices (the module docstring)."""
+    workdir = Path(workdir)
+    m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
+    extra = tuple(train_args)
+    if "--device" not in extra and not any(a.startswith("--device=") for a in extra):
+        extra += ("--device", "cpu")
+    g = train_cpus
+    train_cmd = [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)]
+    env = {**base_env(), "OMP_NUM_THREADS": str(cpu_threads(extract_cpus + train_cpus))}
+    devices = ",".join(["cpu"] * extract_cpus)
+    layout = Layout(
+        workdir,
+        plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
+        Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g, tp), env),
+        Proc("train", train_cmd + (["--nproc", str(g)] if g > 1 else []), dict(env)),
+        manifest_address=manifest,
+    )
+    layout.disk_notes = lambda: disk_requirements(
+        config, extract_cpus, target_tok_s, hidden_size, m, window, tp=tp
     )[1]
     return layout

@@ -309,6 +309,12 @@ class Manifest(SharedQueries, abc.ABC):
     @abc.abstractmethod
     def live_procs(self, role: str | None = None) -> list[Proc]: ...
 
+    @abc.abstractmethod
+    def report(self, role: str, figures: dict, final: bool = False) -> None:
+        """Publish this process's busy and idle figures (:mod:`.balance`) with its registration of
+        ``role``, as its ``info["balance"]`` (a no-op without one); with ``final`` also as the event
+        ``balance:<role>``, which outlives the registration."""
+
     def unregister_me(self, role: str) -> None:
         """Drop this process's registrations of ``role``."""
         from dflash_staged.procs import my_identity

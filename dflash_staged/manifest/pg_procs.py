@@ -15,6 +15,7 @@ locks the registration row (``FOR KEY SHARE``) until its transaction ends, so a 
 ``register``, which deletes the lapsed registration, waits for any transaction the old trainer has
 open, and then reconciles with everything it committed; a heartbeat (no key column changes) does
 not wait. :func:`reclaim_dead_here` returns the claims of this host's dead processes to pending.
+:meth:`Registry.report` keeps a process's busy and idle figures (:mod:`.balance`) in its row's ``info``.
 """
 
 from __future__ import annotations
@@ -116,6 +117,24 @@ class Registry:
             self.fence = None
         self._s.run(lambda cur, _: cur.execute("DELETE FROM procs WHERE id = %s", (proc_id,)))
 
+    def report(self, role: str, figures: dict, final: bool) -> None:
+        """This process's figures into its registration of ``role`` (see ``Manifest.report``)."""
+        host, pid, start = my_identity()
+        pid_key, info = f"{role}:{host}:{pid}:{start}", None
+
+        def body(cur, _):  # a retry of a committed final report logs its event twice: readers keep the last
+            nonlocal info
+            row = cur.execute("SELECT info FROM procs WHERE id = %s", (pid_key,)).fetchone()
+            if row is not None:
+                info = json.dumps({**json.loads(row["info"] or "{}"), "balance": figures})
+                cur.execute("UPDATE procs SET info = %s WHERE id = %s", (info, pid_key))
+            if final:
+                self._event(cur, None, f"balance:{role}", json.dumps(figures))
+
+        self._s.run(body)
+        if info is not None and self._heart is not None:
+            self._heart.set_info(pid_key, info)
+
     def live(self, role: str | None) -> list[Proc]:
         lease = self._lease()
         q, args = (
@@ -159,6 +178,13 @@ class _Heartbeat(threading.Thread):
     def drop(self, pid_key: str) -> None:
         with self._lock:
             self._regs.pop(pid_key, None)
+
+    def set_info(self, pid_key: str, info: str) -> None:
+        """The ``info`` a registration written again carries (its latest published figures)."""
+        with self._lock:
+            if pid_key in self._regs:
+                row, exclusive = self._regs[pid_key]
+                self._regs[pid_key] = ((*row[:8], info), exclusive)
 
     def _beat(self, cur, _) -> None:
         cur.execute("SET LOCAL synchronous_commit TO off")  # a heartbeat lost in a crash is only a late one

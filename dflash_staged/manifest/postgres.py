@@ -275,6 +275,9 @@ class PostgresManifest(PgClaims, PgTrainer, Manifest):
     def live_procs(self, role: str | None = None) -> list[Proc]:
         return self._procs.live(role)
 
+    def report(self, role: str, figures: dict, final: bool = False) -> None:
+        self._procs.report(role, figures, final)
+
     def ever_registered(self, role: str) -> bool:
         return bool(self._all("SELECT 1 AS ok FROM events WHERE kind = %s LIMIT 1", (f"start:{role}",)))
 

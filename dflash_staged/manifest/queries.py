@@ -2,16 +2,20 @@
 
 :class:`SharedQueries` is a base of :class:`~dflash_staged.manifest.base.Manifest`: jobs and real
 tokens per state and per state group, whether extract is done, what ``dflash status --json``
-prints (:mod:`.status` has its human form), each host's processes and claims, and the two
-questions the store's cleanup asks about a shard on disk. Each is built on the abstract
-operations of :class:`~dflash_staged.manifest.base.Manifest` (``_query``, ``meta``, ``job``,
-``jobs``, ``window``, ``live_procs``, ``now``, ...), so a backend implements those and gets these.
+prints (:mod:`.status` has its human form), each host's processes and claims, both sides' busy
+and idle figures (:mod:`.balance`), and the two questions the store's cleanup asks about a shard
+on disk. Each is built on the abstract operations of :class:`~dflash_staged.manifest.base.Manifest`
+(``_query``, ``meta``, ``job``, ``jobs``, ``window``, ``live_procs``, ``now``, ...), so a backend
+implements those and gets these.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
+from dflash_staged.manifest.balance import SIDES, collect
 from dflash_staged.manifest.states import STATES, NoSuchJobError, group_counts
 
 
@@ -40,9 +44,22 @@ class SharedQueries:
         """Jobs and real tokens per named state group (``extracted``, ``trained``, ...)."""
         return {"jobs": group_counts(self.counts()), "tokens": group_counts(self.tokens_by_state())}
 
+    def balance(self, procs=None) -> dict[str, Any]:
+        """Both sides' busy and idle figures and the bottleneck (:func:`.balance.collect`), from the live
+        registrations (``procs``, by default read now) or the last runs' final figures."""
+        finished = {}
+        for role in SIDES:
+            finished[role] = []
+            for e in self.events(f"balance:{role}"):
+                try:
+                    finished[role].append(json.loads(e["detail"] or "{}"))
+                except ValueError:
+                    continue
+        return collect(self.live_procs() if procs is None else procs, finished, time.time())
+
     def status(self) -> dict[str, Any]:
         """What ``dflash status --json`` prints."""
-        m, counts = self.meta, self.counts()
+        m, counts, procs = self.meta, self.counts(), self.live_procs()
         return {
             "manifest": self.address,
             "manifest_id": m["manifest_id"],
@@ -60,10 +77,9 @@ class SharedQueries:
             "layer_ids": m["layer_ids"],
             "requeued": self.requeue_reasons(),
             "failed": [{"id": j.id, "error": e} for j, e in self.failed_errors()],
-            "processes": [
-                {"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank} for p in self.live_procs()
-            ],
+            "processes": [{"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank} for p in procs],
             "hosts": self.hosts(),
+            "balance": self.balance(procs),
         }
 
     def hosts(self) -> list[dict[str, Any]]:

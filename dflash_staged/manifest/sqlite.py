@@ -286,6 +286,17 @@ class SqliteManifest(SqliteTransitions, Manifest):
             if pid_alive(p["host"], p["pid"], p["pid_start"])
         ]
 
+    def report(self, role: str, figures: dict, final: bool = False) -> None:
+        host, pid, start = my_identity()
+        pid_key = f"{role}:{host}:{pid}:{start}"
+        with self._tx() as c:
+            row = c.execute("SELECT info FROM procs WHERE id=?", (pid_key,)).fetchone()
+            if row is not None:
+                info = {**json.loads(row["info"] or "{}"), "balance": figures}
+                c.execute("UPDATE procs SET info=? WHERE id=?", (json.dumps(info), pid_key))
+            if final:
+                self._event(c, None, f"balance:{role}", json.dumps(figures))
+
     def ever_registered(self, role: str) -> bool:
         return (
             self._conn.execute("SELECT COUNT(*) FROM events WHERE kind=?", (f"start:{role}",)).fetchone()[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dflash_staged.manifest.balance import format_balance
 from dflash_staged.manifest.states import group_counts
 
 
@@ -14,7 +15,8 @@ def human_bytes(n: int) -> str:
 
 
 def format_status(st: dict) -> str:
-    """Human form of ``Manifest.status()``: a table of job states and a progress line."""
+    """Human form of ``Manifest.status()``: a table of job states, a progress line, the hosts, and
+    both sides' busy and idle shares with the bottleneck (:func:`.balance.format_balance`)."""
     jobs, total = st["jobs"], max(1, sum(st["jobs"].values()))
     rows = [f"{'state':<10}{'jobs':>10}{'share':>9}"]
     rows += [f"{k:<10}{n:>10,}{n / total:>9.1%}" for k, n in jobs.items()]
@@ -28,6 +30,7 @@ def format_status(st: dict) -> str:
         f"padding waste {st['padding_waste']:.2%}"
     )
     rows += format_hosts(st.get("hosts", []))
+    rows += format_balance(st.get("balance"))
     return "\n".join(rows)
 
 

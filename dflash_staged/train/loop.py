@@ -5,16 +5,21 @@ policy, the same for one rank and many), forward/backward every microbatch (each
 backpropagates its weighted loss sum), sum the gradients over ranks and divide them by the
 step's total loss weight over all ranks, take the optimizer step, record the shards as consumed, log, and
 every
-``train.checkpoint_every`` steps checkpoint and release. The consumption, release and resume
-rules are :mod:`dflash_staged.train.ledger`'s; the components come from
+``train.checkpoint_every`` steps checkpoint and release. The rank's seconds busy and waiting for
+data are published with its registration (:class:`BusyIdle`, :mod:`dflash_staged.manifest.balance`).
+The consumption, release and resume rules are :mod:`dflash_staged.train.ledger`'s; the components come from
 :func:`dflash_staged.train.trainer.build_trainer`.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
+from dflash_staged.errors import DflashError
+from dflash_staged.manifest.balance import PUBLISH_S, SIDES, Tally
+from dflash_staged.procs import my_identity
 from dflash_staged.train.draw import StepData, gather_step
 from dflash_staged.train.ledger import Consumed, token_digest
 from dflash_staged.train.objective import anchor_counts, per_offset_accuracy, selector_metrics, training_tau
@@ -118,6 +123,45 @@ def metrics_line(
     }
 
 
+class BusyIdle:
+    """This rank's seconds busy and waiting for data (:mod:`dflash_staged.manifest.balance`: counted
+    from its first step's data on), published with its registration every ``PUBLISH_S`` and at the end
+    (not in a replay: nothing to wait for, no registration)."""
+
+    def __init__(self, t: Trainer):
+        self.t, self.tally, self.mark, self.published = t, None, 0.0, 0.0
+
+    def step(self, wait_s: float) -> None:
+        """A step's data arrived after ``wait_s`` of waiting; the rest since the previous one was busy."""
+        now = time.monotonic()
+        if self.tally is None:
+            self.tally = Tally(SIDES["train"], now)
+        else:
+            self.tally.add("data_wait_s", min(wait_s, now - self.mark))
+            self.tally.add("busy_s", now - self.mark - wait_s)
+        self.mark = now
+        if now - self.published >= PUBLISH_S:
+            self.publish()
+
+    def publish(self, final: bool = False) -> None:
+        t, now = self.t, time.monotonic()
+        if t.opts.replay or self.tally is None:
+            return
+        if final:
+            self.tally.add("busy_s", now - self.mark)
+            self.mark = now
+        self.published = now
+        fig = {
+            **self.tally.snapshot(now),
+            **{"t": time.time(), "devices": [str(t.device)], "tp": 1, "host": my_identity()[0]},
+            **{"run": t.dist.group_id, "rank": t.dist.rank},
+        }
+        try:
+            t.m.report("train", fig, final=final)
+        except DflashError as e:  # best effort: not worth stopping for
+            print(f"train: could not publish the busy/idle figures: {e}", file=sys.stderr, flush=True)
+
+
 def consumed_item(job, rank: int, shard) -> Consumed:
     """What the ledger records of one job a step trained on."""
     n = int(shard.input_ids.numel())
@@ -129,10 +173,11 @@ def consumed_item(job, rank: int, shard) -> Consumed:
 def train_loop(t: Trainer) -> int:
     """The training loop; returns the exit code."""
     cfg, dist = t.cfg, t.dist
-    stop = StopRequested()
+    stop, idle = StopRequested(), BusyIdle(t)
     while not (t.opts.max_steps and t.step >= t.opts.max_steps):
         # ---- data: this step's shards (may wait, all ranks together; never holding unreleased shards) --
         data = gather_step(t, stop)
+        idle.step(data.wait_s if data else 0.0)
         local = [] if data is None else data.shards
         if not dist.any(len(local) > 0):
             if stop or not dist.any(not t.source.finished()):
@@ -169,6 +214,7 @@ def train_loop(t: Trainer) -> int:
     # ---- the end: final checkpoint, release, report -------------------------------------------------
     stopping = dist.any(bool(stop))
     t.checkpoint_and_release()
+    idle.publish(final=True)
     if stopping:
         return 128 + (stop.signum or signal.SIGTERM)
     return t.source.final_status()
