@@ -20,8 +20,8 @@ Steps (each reports ``ok`` and its numbers; a failing step does not stop the oth
    launcher (``python -m dflash_staged pipeline``); the drafter trains under bf16 autocast.
 5. ``recipe_train``: a few training steps of a drafter at the Qwen3-8B recipe's shapes (random weights
    from a config, bf16 autocast; ``bench/recipe_step.py``), with and without activation
-   checkpointing: tokens/s and ``max_memory_allocated`` against ``dflash_staged.train.memory``'s
-   estimate (ok within +20%).
+   checkpointing, and as the DFlash2 recipe's drafter: tokens/s and ``max_memory_allocated``
+   against ``dflash_staged.train.memory``'s estimate (ok within +20%).
 6. ``tp_extract`` (2+ GPUs; skipped with one): ``dflash extract --tp 2 --devices cuda:0,cuda:1`` on the
    tiny MoE target (``tiny:qwen3_moe``, bf16, NCCL), with one ``kill -9`` of the follower mid-run: the
    supervisor must stop the group, restart it and finish every job; every shard is then compared with
@@ -570,12 +570,19 @@ def step_tp_extract(out: Path, dev: str) -> dict:
 # ---------------------------------------------------------------------------------------------- main
 def step_recipe_train(out: Path, dev: str) -> dict:
     """Training steps at the Qwen3-8B recipe's shapes (``bench/recipe_step.py``), with and without
-    activation checkpointing: tokens/s, and CUDA's peak against the memory estimate (ok when the
-    estimate is not exceeded by more than 20%). On CPU: small widths, a check of the plumbing."""
+    activation checkpointing, and as the DFlash2 recipe's drafter (block 8, non-causal sliding
+    layers on flex, the convolutions and the selector): tokens/s, and CUDA's peak against the
+    memory estimate (ok when the estimate is not exceeded by more than 20%). On CPU: small widths,
+    a check of the plumbing."""
     gpu = dev.startswith("cuda")
     small = [] if gpu else ["--small", "--steps", "1", "--tokens", "512", "--seq-len", "64", "--rows", "1024"]
     res: dict = {"ok": True}
-    for name, extra in (("plain", []), ("checkpointing", ["--checkpointing"])):
+    variants = (
+        ("plain", []),
+        ("checkpointing", ["--checkpointing"]),
+        ("dflash2", ["--architecture", "dflash2"]),
+    )
+    for name, extra in variants:
         cmd = [sys.executable, ROOT / "bench" / "recipe_step.py", "--device", dev, *small, *extra]
         rc, text = sh(cmd, 600, out / f"recipe_train_{name}.log")
         line = next((x for x in reversed(text.splitlines()) if x.startswith("{")), None)

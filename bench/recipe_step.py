@@ -38,7 +38,21 @@ RECIPE = dict(
 SMALL = dict(hidden=128, inter=384, layers=2, heads=4, kv=2, head_dim=32, vocab=1024, block=16, anchors=32)
 
 
-def build(shape: dict, device: torch.device) -> DFlashDrafter:
+# The released Qwen DFlash2 drafters' architecture (docs/dflash2.md), on the same shapes.
+DFLASH2 = dict(
+    architecture="dflash2",
+    layer_types=["sliding_attention"] * 5,
+    sliding_window=2048,
+    is_causal=False,
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=256,
+    selector_top_k=16,
+)
+
+
+def build(shape: dict, device: torch.device, arch: str = "dflash") -> DFlashDrafter:
+    v2 = dict(DFLASH2, layer_types=["sliding_attention"] * shape["layers"]) if arch == "dflash2" else {}
     c = DraftModelConfig(
         hidden_size=shape["hidden"],
         intermediate_size=shape["inter"],
@@ -53,6 +67,7 @@ def build(shape: dict, device: torch.device) -> DFlashDrafter:
         mask_token_id=shape["vocab"] - 1,
         dtype="bfloat16",
         rope_theta=1_000_000.0,
+        **v2,
     )
     frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
@@ -74,10 +89,17 @@ def shard(tokens: int, seq_len: int, shape: dict, seed: int) -> SimpleNamespace:
 
 
 def run(
-    device: str, small: bool, steps: int, tokens: int, seq_len: int, checkpointing: bool, rows: int = 0
+    device: str,
+    small: bool,
+    steps: int,
+    tokens: int,
+    seq_len: int,
+    checkpointing: bool,
+    rows: int = 0,
+    arch: str = "dflash",
 ) -> dict:
     dev = torch.device(device)
-    shape = SMALL if small else RECIPE
+    shape = dict(SMALL if small else RECIPE, **({"block": 8} if arch == "dflash2" else {}))
     t = TrainConfig(
         num_anchors=shape["anchors"],
         microbatch_tokens=tokens,
@@ -86,7 +108,7 @@ def run(
         attention="auto",
         lr=1e-4,
     )
-    drafter = build(shape, dev)
+    drafter = build(shape, dev, arch)
     model = DrafterModel(drafter, t, dev, rank=0)  # states the memory it expects (CUDA)
     optim = Optimizer(model.params, t, Dist(dev))
     if dev.type == "cuda":
@@ -110,7 +132,7 @@ def run(
     measured = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     best = min(times[1:] or times)
     return {
-        "shape": "small" if small else "qwen3-8b recipe",
+        "shape": ("small" if small else "qwen3-8b recipe") + ("" if arch == "dflash" else f", {arch}"),
         "device": str(dev),
         "activation_checkpointing": checkpointing,
         "tokens_per_step": tokens,
@@ -135,6 +157,9 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="sequence length [1024; 128 with --small]")
     ap.add_argument("--checkpointing", action="store_true", help="train.activation_checkpointing = true")
     ap.add_argument("--rows", type=int, default=0, help="train.microbatch_rows [0: what fits the device]")
+    ap.add_argument(
+        "--architecture", default="dflash", choices=["dflash", "dflash2"], help="dflash2: block 8"
+    )
     a = ap.parse_args()
     res = run(
         a.device,
@@ -144,6 +169,7 @@ def main() -> int:
         a.seq_len or (128 if a.small else 1024),
         a.checkpointing,
         a.rows,
+        a.architecture,
     )
     print(json.dumps(res), flush=True)
     return 0

@@ -12,7 +12,6 @@ import pytest
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.balance import (
     Tally,
-    best_split,
     collect,
     format_balance,
     shares,
@@ -47,17 +46,19 @@ def test_shares_and_tally_recent_interval():
     assert t.snapshot(101.0)["total"] == tr(20, 3)
 
 
-def test_best_split_hand_computed():
-    # min(4e, 8 - e): e=1 -> 4, e=2 -> 6, e=3 -> 5
-    assert best_split(8, 4.0, 1.0) == (2, 6, 6.0)
-    assert best_split(8, 4.0, 1.0, tp=2) == (2, 6, 6.0)
-    assert best_split(8, 4.0, 1.0, tp=4) == (4, 4, 4.0)  # the only split with whole groups
-    # extraction too slow even with all but one device
-    assert best_split(8, 0.1, 10.0) == pytest.approx((7, 1, 0.7))
-    assert best_split(2, 1.0, 1.0) == (1, 1, 1.0)
-    for total, tp in ((1, 1), (4, 4)):
-        with pytest.raises(ValueError, match="no split"):
-            best_split(total, 1.0, 1.0, tp)
+def test_the_verdicts_split_is_the_node_choosers():
+    """Status suggests what dflash node --split auto would choose for the same rates (one chooser)."""
+    from dflash_staged.split import choose_split
+
+    # 4 + 4 GPUs, extract busy 116 of 400 device-seconds, train 396: per-device rates 1/116 : 1/396
+    v = verdict(ex(116, 284), tr(396, 4), 4, 4)
+    best = choose_split(8, 1, 1 / 116, 1 / 396)
+    assert v["split"] == [best.extract_devices, best.train_ranks]
+    v2 = verdict(ex(116, 284), tr(396, 4), 4, 4, tp=2)  # whole groups of 2
+    assert v2["split"][0] % 2 == 0 and v2["split"] == [
+        choose_split(8, 2, 2 / 116, 1 / 396).extract_devices,
+        6,
+    ]
 
 
 def test_verdict_training_is_the_bottleneck():

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from dflash_staged.cli import main
 from dflash_staged.errors import DflashError
-from dflash_staged.launch.split import candidates, choose_split, table
+from dflash_staged.split import candidates, choose_split, table
 
 ROOT = Path(__file__).resolve().parents[1]
 

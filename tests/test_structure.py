@@ -103,7 +103,7 @@ def test_imports_have_no_cycle():
 def test_stages_import_downward():
     """Lower layers never import higher ones: e.g. the manifest and the store know nothing of the stages."""
     layers = [
-        ["errors", "procs", "children", "sizes"],
+        ["errors", "procs", "children", "sizes", "split"],
         ["fsutil", "dtypes", "config", "chat"],
         ["manifest", "store", "model"],
         ["plan", "extract", "train", "regenerate"],

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from dflash_staged.config.loading import config_from_dict
+from dflash_staged.config.loading import config_from_dict, tomllib
 from dflash_staged.config.schema import Config, ConfigError, TrainConfig
+from dflash_staged.errors import DflashError
 
 # Settings `train --replay` may override (plain `train`: its [train] part); the rest is fixed by the shards.
 REPLAY_OVERRIDABLE = {
@@ -55,3 +56,19 @@ def apply_overrides(
                 )
             raw[section][key] = value
     return config_from_dict(raw, f"<{what} overrides>")
+
+
+def parse_sets(sets) -> dict:
+    """['train.lr=1e-3', 'drafter.block_size=8'] -> {'train': {'lr': 0.001}, 'drafter': {'block_size': 8}}."""
+    out: dict = {}
+    for s in sets:
+        key, sep, value = s.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise DflashError(f"--set {s!r}: use SECTION.KEY=VALUE, e.g. --set train.lr=1e-3")
+        try:
+            parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value.strip()
+        out.setdefault(section, {})[name] = parsed
+    return out

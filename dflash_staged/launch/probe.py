@@ -22,7 +22,7 @@ Contract of :func:`auto_node_layout`, in order:
    device; output prefixed ``[probe train]``) times optimizer steps on those shards at the run's
    config (``--set`` overrides among the train arguments apply), reading them without taking or
    consuming them.
-5. **Choice** (:func:`dflash_staged.launch.split.choose_split`, with ``--train-scaling``): printed
+5. **Choice** (:func:`dflash_staged.split.choose_split`, with ``--train-scaling``): printed
    as ``[split]`` lines: the measured rates, every candidate's throughput, the chosen split, the
    expected throughput and idle shares, and a side too slow at every split. The layout is the
    node layout of that split (extract takes the first devices, train the rest) and, unless
@@ -43,9 +43,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_staged import split as splitting
 from dflash_staged.children import Children, CommandChild
 from dflash_staged.errors import DflashError
-from dflash_staged.launch import split as splitting
 from dflash_staged.launch.probe_train import RESULT
 from dflash_staged.launch.processes import (
     Layout,

@@ -25,25 +25,10 @@ RESULT = "probe-result "
 MIN_TIMED_STEPS = 2
 
 
-def overrides(sets: list[str]) -> dict:
-    """``--set SECTION.KEY=VALUE`` values as ``dflash train`` reads them (a TOML value, else the text)."""
-    from dflash_staged.config import tomllib
-
-    out: dict = {}
-    for s in sets:
-        key, _, value = s.partition("=")
-        section, _, name = key.strip().partition(".")
-        try:
-            parsed = tomllib.loads(f"v = {value.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            parsed = value.strip()
-        out.setdefault(section, {})[name] = parsed
-    return out
-
-
 def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets: list[str]) -> dict:
     import torch
 
+    from dflash_staged.config.overrides import parse_sets
     from dflash_staged.errors import DflashError
     from dflash_staged.manifest import Manifest
     from dflash_staged.store import ShardStore
@@ -57,7 +42,7 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
 
     dev = inputs.pick_device(device)
     with Manifest.open(manifest, readonly=True) as m:
-        opts = TrainOptions(manifest=manifest, store=store_dir, out=None, overrides=overrides(sets))
+        opts = TrainOptions(manifest=manifest, store=store_dir, out=None, overrides=parse_sets(sets))
         cfg = inputs.run_config(m, opts)
         jobs = sorted(m.jobs("written"), key=lambda j: (j.epoch, j.pos))[:shards]
         store = ShardStore.open(store_dir, expect={"manifest_id": m.manifest_id})

@@ -47,14 +47,11 @@ With both waiting at least :data:`WAITS`, the text also says that the window is 
 pipeline's jitter (``--window``, or ``train.checkpoint_every``: consumed shards leave the window only
 at a checkpoint).
 
-**The split** (:func:`best_split`): with per-device rates ``r_e``, ``r_t`` (tokens/s of one extract
-device while busy, of one train device while busy) and N devices, the pipeline's rate with ``e``
-extract devices is ``min(e r_e, (N - e) r_t)``; the best ``e`` is a multiple of ``tp`` with at least
-``tp`` extract and one train device (ties: fewer extract devices). The verdict estimates the rates
-from the busy device-seconds ``B_e``, ``B_t`` of one interval, in which both sides moved about the
-same tokens: ``r_e : r_t = 1/B_e : 1/B_t``, and names the best split when it differs from the one
-running by at least :data:`MIN_GAIN`, with the gain ``best / min(e r_e, (N - e) r_t)`` at the current
-split.
+**The split**: the verdict estimates the per-device rates from the busy device-seconds ``B_e``, ``B_t``
+of one interval, in which both sides moved about the same tokens (``r_e : r_t = 1/B_e : 1/B_t``), asks
+:func:`dflash_staged.split.choose_split` (the same chooser as ``dflash node --split auto``) for the best
+split of the devices running now, and names it when it differs from the one running by at least
+:data:`MIN_GAIN`, with the gain ``best / min(e r_e, (N - e) r_t)`` at the current split.
 """
 
 from __future__ import annotations
@@ -62,6 +59,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from dflash_staged.split import choose_split
 
 SIDES = {"extract": ("busy_s", "window_full_s", "no_work_s"), "train": ("busy_s", "data_wait_s")}
 IDLE_KIND = {"extract": "window_full_s", "train": "data_wait_s"}  # the idle that names a bottleneck
@@ -105,22 +104,6 @@ def shares(seconds: Mapping[str, float]) -> dict[str, float]:
     """Each kind's share of the sum (zeros when the sum is zero)."""
     total = sum(seconds.values())
     return {k: (v / total if total > 0 else 0.0) for k, v in seconds.items()}
-
-
-def best_split(total: int, rate_extract: float, rate_train: float, tp: int = 1) -> tuple[int, int, float]:
-    """``(extract devices, train devices, pipeline rate)`` that maximise ``min(e r_e, (N - e) r_t)``
-    over ``e`` a multiple of ``tp``, ``tp <= e <= N - 1`` (see the module docstring); ValueError when
-    no split has a device on each side."""
-    best = None
-    for e in range(tp, total, tp):
-        rate = min(e * rate_extract, (total - e) * rate_train)
-        if best is None or rate > best[2] * (1 + 1e-9):
-            best = (e, total - e, rate)
-    if best is None:
-        raise ValueError(
-            f"{total} device(s) with tensor-parallel groups of {tp}: no split leaves one for train"
-        )
-    return best
 
 
 def verdict(
@@ -182,7 +165,8 @@ def _suggest(side: str, busy_e: float, busy_t: float, n_e: int, n_t: int, tp: in
     if n_e <= 0 or n_t <= 0 or busy_e <= 0 or busy_t <= 0:
         return {"advice": f"move {unit} from {frm} to {to}"}
     rate_e, rate_t = 1.0 / busy_e, 1.0 / busy_t
-    e, t, rate = best_split(n_e + n_t, rate_e, rate_t, tp)
+    best = choose_split(n_e + n_t, tp, rate_e * tp, rate_t)  # a worker of tp devices writes tp x r_e
+    e, t, rate = best.extract_devices, best.train_ranks, best.throughput
     gain = rate / min(n_e * rate_e, n_t * rate_t)
     if e == n_e or gain < 1 + MIN_GAIN:
         return {
