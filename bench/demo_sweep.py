@@ -160,6 +160,7 @@ def run_point(i: int, overrides: dict, a, work: Path) -> dict:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Held-out tau per setting: one bar per eval temperature (greedy first)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,14 +170,23 @@ def plot(results: list[dict], path: Path) -> None:
         ", ".join(f"{k.split('.')[-1]}={v}" for k, v in r["overrides"].items()) or "as configured"
         for r in results
     ]
-    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(results)))
-    ax.barh(range(len(results)), [r["tau"] for r in results], color="tab:blue")
-    ax.set_yticks(range(len(results)), labels, fontsize=8)
+    temps = list(results[0]["by_temperature"])
+    h = 0.8 / len(temps)
+    fig, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len(results) * len(temps)))
+    top = 1.0
+    for j, t in enumerate(temps):
+        taus = [r["by_temperature"][t]["tau"] for r in results]
+        top = max(top, *taus)
+        ys = [y + j * h for y in range(len(results))]
+        name = "greedy" if float(t) == 0 else f"T={t}"
+        ax.barh(ys, taus, height=h, label=name)
+        for y, r, tau in zip(ys, results, taus):
+            ax.text(tau, y, f" {tau:.3f} ({r['steps']} steps)", va="center", fontsize=8)
+    ax.set_yticks([y + h * (len(temps) - 1) / 2 for y in range(len(results))], labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(1.0, max(r["tau"] for r in results) * 1.05)
+    ax.set_xlim(1.0, top * 1.08)
     ax.set_xlabel("held-out tau (tokens per verify step)")
-    for y, r in enumerate(results):
-        ax.text(r["tau"], y, f" {r['tau']:.3f} ({r['steps']} steps)", va="center", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
