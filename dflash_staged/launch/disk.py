@@ -104,8 +104,8 @@ def disk_requirements(
     lines = [
         f"bytes per token: K={k} tapped layers x hidden {hidden} x {itemsize} B + 5 B (id, loss mask) = "
         f"{bpt:,} B",
-        f"disk bandwidth: {tok_s_per_worker:,.0f} tok/s per extract worker (--target-tok-s) x "
-        f"{_workers(n_gpus, tp)}"
+        f"disk bandwidth: {tok_s_per_worker:,.0f} tok/s per extract worker (--target-tok-s, or what "
+        f"--split auto measured) x {_workers(n_gpus, tp)}"
         f" x {bpt:,} B = {_si(write)}/s written; each byte is read once by train, so the store must sustain "
         f"{_si(2 * write)}/s (write + read)",
         f"window disk: {window} shards x {avg_tokens:,.0f} real tokens per job "
