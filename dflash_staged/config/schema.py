@@ -192,26 +192,6 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         _check(
-            self.is_causal in (True, False, "auto"),
-            f'drafter.is_causal={self.is_causal!r}: use true, false or "auto"',
-        )
-        _check(
-            self.architecture in ("dflash", "dflash2"),
-            f'drafter.architecture={self.architecture!r}: use "dflash" or "dflash2"',
-        )
-        _check(
-            1 <= self.conv_kernel_size <= self.block_size,
-            f"drafter.conv_kernel_size={self.conv_kernel_size}: use 1..block_size ({self.block_size})",
-        )
-        _check(
-            self.conv_group_size >= 1 and self.selector_rank >= 1 and self.selector_top_k >= 1,
-            "drafter.conv_group_size, selector_rank and selector_top_k must be >= 1",
-        )
-        _check(
-            self.output_multiplier > 0 and self.final_logit_softcapping >= 0,
-            "drafter.output_multiplier must be > 0 and final_logit_softcapping >= 0 (0 = none)",
-        )
-        _check(
             self.num_hidden_layers >= 1, f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1"
         )
         _check(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2")
@@ -235,6 +215,26 @@ class DrafterConfig:
         if self.layer_types:
             why = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, "drafter.")
             _check(why is None, why or "")
+        _check(
+            self.is_causal in (True, False, "auto"),
+            f'drafter.is_causal={self.is_causal!r}: use true, false or "auto"',
+        )
+        _check(
+            self.architecture in ("dflash", "dflash2"),
+            f'drafter.architecture={self.architecture!r}: use "dflash" or "dflash2"',
+        )
+        _check(
+            self.architecture != "dflash2" or 1 <= self.conv_kernel_size <= self.block_size,
+            f"drafter.conv_kernel_size={self.conv_kernel_size}: use 1..block_size ({self.block_size})",
+        )
+        _check(
+            self.conv_group_size >= 1 and self.selector_rank >= 1 and self.selector_top_k >= 1,
+            "drafter.conv_group_size, selector_rank and selector_top_k must be >= 1",
+        )
+        _check(
+            self.output_multiplier > 0 and self.final_logit_softcapping >= 0,
+            "drafter.output_multiplier must be > 0 and final_logit_softcapping >= 0 (0 = none)",
+        )
 
 
 @dataclass
