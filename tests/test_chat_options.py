@@ -137,6 +137,7 @@ def test_bad_chat_options_in_the_config(tmp_path, toml, what):
         load_config(p)
 
 
+@pytest.mark.slow
 def test_eval_renders_prompts_with_the_recorded_options(tmp_path):
     """plan (non-thinking) -> extract -> train -> eval: the prompt gets the empty think block."""
     _, code, out = setup_plan(tmp_path, False, "m")

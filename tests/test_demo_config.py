@@ -66,6 +66,7 @@ def test_bin_demo_is_valid_bash_and_ends_with_the_tau_line():
     assert text.rstrip().splitlines()[-2].startswith('print(f"tau=')  # the last line printed
 
 
+@pytest.mark.slow
 def test_the_demo_recipe_mixes_length_buckets_in_every_step(tmp_path):
     """The demo's [data] and [train] on the tiny target and demo-like lengths: a live run and its
     replay, where every optimizer step whose buffer offered two buckets trains on two or more."""

@@ -4,6 +4,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from dflash_staged.manifest import Manifest
@@ -100,6 +101,7 @@ def test_kill9_worker_then_rerun(tmp_path):
     assert reclaims and str(victim) in reclaims[0]["detail"]
 
 
+@pytest.mark.slow
 def test_window_too_small_for_trainer_is_an_error(tmp_path):
     mdir = plan(tmp_path, n=8)
     r = run_dflash(

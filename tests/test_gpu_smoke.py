@@ -32,6 +32,7 @@ def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_smoke_steps_pass_on_cpu(tmp_path):
     """gpu_smoke.sh (system-Python mode, this interpreter) runs every one-device step end to end."""
     e = dict(env(), DFLASH_USE_SYSTEM_TORCH="1", PYTHON=sys.executable)

@@ -86,6 +86,7 @@ def test_answers_every_user_turn_and_the_output_plans(tmp_path):
     assert code == 0 and "samples: 3" in text, text
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl")
     outs = []

@@ -99,7 +99,9 @@ def test_chaos_kill9_slow(tmp_path):
     chaos_case(tmp_path, kills=50, n=96, epochs=4, timeout_s=1800)
 
 
-@pytest.mark.parametrize("backend", BOTH, indirect=True)
+@pytest.mark.parametrize(
+    "backend", ["postgres", pytest.param("sqlite", marks=pytest.mark.slow)], indirect=True
+)
 def test_chaos_two_ranks_kill9(tmp_path, backend):
     """Two trainer ranks (gloo) beside extract; kill -9 of the whole trainer (launcher and ranks) three
     times, resumed each time: every job of every epoch trained once, with the tokens planned."""

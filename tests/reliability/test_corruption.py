@@ -24,6 +24,7 @@ from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 
 from helpers import plan, run, start, status
+from pgcluster import PG_SLOW
 from rel_helpers import assert_all_released_and_clean, assert_exactly_once
 
 EXTRA = "[data]\ntoken_budget = 512\n"
@@ -207,6 +208,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
+@pytest.mark.parametrize("backend", PG_SLOW, indirect=True)
 def test_corruption_detected_and_reextracted(tmp_path, backend):
     # every shard damaged before training: the trainer's first draws all fail verification and it must
     # wait for re-extraction (regression: it took the empty step for "drained" and exited 0 untrained)

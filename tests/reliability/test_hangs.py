@@ -89,7 +89,7 @@ def test_window_bytes_below_the_buffers_is_refused(tmp_path):
     assert not (tmp_path / "store").exists()
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_one_bucket_at_the_smallest_window_finishes(tmp_path, nproc):
     """Every shard of one length bucket, the window exactly the trainers' buffers: it finishes."""
     mdir = plan(tmp_path, n=48, extra=ONE_BUCKET)

@@ -167,6 +167,7 @@ def test_extract_host_killed_whole(tmp_path, pg, hosts):
     run.check()
 
 
+@pytest.mark.slow
 def test_extract_host_partitioned_then_back(tmp_path, pg, hosts):
     run = Run(tmp_path, pg, hosts, {"host-a": 1.2, "host-b": 0.1})
     a = hosts["host-a"]

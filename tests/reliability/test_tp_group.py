@@ -148,7 +148,7 @@ def test_kill9_of_a_follower_stops_the_group_and_the_run_completes(tmp_path):
     assert_matches_tp1(mdir, store)
 
 
-@pytest.mark.parametrize("rank,error", [(0, "oom"), (1, "runtime")])
+@pytest.mark.parametrize("rank,error", [(0, "oom"), pytest.param(1, "runtime", marks=pytest.mark.slow)])
 def test_a_forward_that_raises_on_one_rank_restarts_the_group_without_waiting(tmp_path, rank, error):
     # extract.lease_s (and so the group's collective timeout) is far beyond this test's timeout: a
     # rank left in a mismatched collective would hang the test rather than end it
