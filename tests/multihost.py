@@ -82,11 +82,12 @@ class Host:
         r = _ip("netns", "pids", self.ns, check=False)
         return [int(x) for x in r.stdout.split()]
 
-    def kill_all(self) -> list[int]:
+    def kill_all(self, sig: int = signal.SIGKILL) -> list[int]:
+        """Send `sig` (SIGKILL, or SIGSTOP / SIGCONT to freeze and thaw) to every process here."""
         pids = self.pids()
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         return pids

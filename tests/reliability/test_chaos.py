@@ -91,7 +91,7 @@ def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float, mani
 
 @pytest.mark.parametrize("backend", PG_SLOW, indirect=True)
 def test_chaos_kill9(tmp_path, backend):
-    chaos_case(tmp_path, kills=10, n=64, epochs=2, timeout_s=400, manifest=backend.address(tmp_path))
+    chaos_case(tmp_path, kills=6, n=64, epochs=2, timeout_s=400, manifest=backend.address(tmp_path))
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ left in the store, and the window never exceeded (sampled throughout).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -95,6 +96,17 @@ class Run:
     def claims_of(self, host: str) -> dict[int, int]:
         return {j.id: j.attempts for j in self.m.jobs("claimed") if j.host == host}
 
+    def frozen_claims(self, host: str, cond) -> dict[int, int]:
+        """Wait until cond(sample) and `host` holds a claim; return its claims with its processes stopped
+        (SIGSTOP), so that none is published between reading it and what the caller does next."""
+        while True:
+            self.wait(lambda: cond(self.sample()) and self.claims_of(host), f"{host} to hold a claim")
+            assert self.hosts[host].kill_all(signal.SIGSTOP), f"no process on {host}"
+            time.sleep(0.2)  # a commit already on the wire lands
+            if held := self.claims_of(host):
+                return held
+            self.hosts[host].kill_all(signal.SIGCONT)
+
     def wait(self, cond, what: str, timeout: float = 240) -> None:
         t0 = time.time()
         while not cond():
@@ -151,12 +163,8 @@ def test_extract_host_killed_whole(tmp_path, pg, hosts):
     run = Run(tmp_path, pg, hosts, {"host-a": 0.4, "host-b": 0.1})
     try:
         run.start()
-        run.wait(
-            lambda: run.sample()["written"] + run.sample()["consumed"] >= 4 and run.claims_of("host-a"),
-            "host-a to hold a claim mid-run",
-        )
-        held = run.claims_of("host-a")
-        assert hosts["host-a"].kill_all(), "no process on host-a"
+        held = run.frozen_claims("host-a", lambda s: s["written"] + s["consumed"] >= 4)
+        hosts["host-a"].kill_all()
         run.finish()
     finally:
         run.stop()
@@ -173,9 +181,9 @@ def test_extract_host_partitioned_then_back(tmp_path, pg, hosts):
     a = hosts["host-a"]
     try:
         run.start()
-        run.wait(lambda: run.sample()["written"] >= 3 and run.claims_of("host-a"), "host-a to hold a claim")
-        held = run.claims_of("host-a")
+        held = run.frozen_claims("host-a", lambda s: s["written"] >= 3)
         a.partition()
+        a.kill_all(signal.SIGCONT)
         try:
             # its leases expire, host-b redoes those jobs; meanwhile host-a finishes them and stages shards
             run.wait(
