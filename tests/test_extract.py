@@ -73,7 +73,7 @@ def test_extract_two_workers_end_to_end(tmp_path):
     assert m.counts() == counts
 
 
-@pytest.mark.slow  # kept siblings: reliability/test_chaos (worker kills), test_killed_writer_leftovers_removed
+@pytest.mark.slow  # kept: reliability/test_chaos (worker kills), test_killed_writer_leftovers_removed
 def test_kill9_worker_then_rerun(tmp_path):
     mdir = plan(tmp_path, n=24, extra="[data]\ntoken_budget = 512\n")
     store = tmp_path / "store"
