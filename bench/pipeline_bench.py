@@ -10,8 +10,9 @@ same tensors:
 * staged: producer *processes* claim jobs from a real manifest (window-bounded),
   write shards with the real store (fsync + atomic publish under the claim), and
   the trainer tails the manifest through the real LiveSource + ShardBuffer (read
-  with XXH3-64 verification), marks shards consumed, and releases them every
-  `--ckpt-every` steps, exactly as `dflash train` does;
+  with XXH3-64 verification), waits as ``dflash train`` waits (polls backing off, releasing
+  early only on a full window), marks shards consumed, and releases them every
+  `--ckpt-every` steps;
 * queue: a producer thread hands tensors to the trainer thread through an
   unbounded ``queue.Queue`` (the old design).
 
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,8 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_staged.config import Config  # noqa: E402
 from dflash_staged.manifest import Manifest  # noqa: E402
 from dflash_staged.manifest.balance import SIDES, shares, verdict  # noqa: E402
-from dflash_staged.store import ShardStore, StoreMeta  # noqa: E402
+from dflash_staged.store import Remover, ShardStore, StoreMeta  # noqa: E402
 from dflash_staged.train.buffer import ShardBuffer, bound_host_memory  # noqa: E402
+from dflash_staged.train.draw import CHECKPOINT_AFTER_S, wait_pauses  # noqa: E402
 from dflash_staged.train.sources import LiveSource  # noqa: E402
 
 
@@ -106,14 +109,35 @@ def producer_proc(
 ) -> None:
     """One producer; starts with the others (``ready``: a barrier), and puts its seconds busy / on a
     full window / with nothing to claim on ``out`` at the end, counted as an extract worker counts
-    them (from its first claim, each pass by what its claim got)."""
+    them (from its first claim, each pass by what its claim got). As a worker does, it runs the
+    target (here: sleeps T / rate) and hands the shard to a writer thread, which stages and
+    publishes it while the next job runs (one shard waits at most)."""
     torch.set_num_threads(1)
     m = Manifest.open(mdir)
+    writer_m = Manifest.open(mdir)  # the writer thread's own handle, as the worker's Publisher has
     store = ShardStore.open(sdir)
+    writer = ThreadPoolExecutor(1)
+    pending = None
     ready.wait()
     cache: dict[int, torch.Tensor] = {}
     seconds = dict.fromkeys(SIDES["extract"], 0.0)
     kind, mark = None, time.perf_counter()
+
+    def write(job, hidden: torch.Tensor) -> None:
+        T = job.real_tokens
+        staged = store.stage_shard(
+            0,
+            job.id,
+            hidden,
+            torch.arange(T, dtype=torch.int32),
+            torch.ones(T, dtype=torch.uint8),
+            torch.tensor([0, T], dtype=torch.int64),
+            torch.tensor([job.id], dtype=torch.int64),
+        )
+        commit = lambda s=staged: store.commit_staged(s)  # noqa: E731
+        if not writer_m.publish(job, staged.info.nbytes, staged.info.checksum, commit=commit):
+            store.discard_staged(staged)
+
     while True:
         now = time.perf_counter()
         if kind is not None:
@@ -123,31 +147,21 @@ def producer_proc(
         if r.job is None:
             kind = "window_full_s" if r.window_full else "no_work_s"
             if r.nothing_left:
+                if pending is not None:
+                    pending.result()
                 out.put(seconds)
                 return
             time.sleep(0.005)
             continue
         kind = "busy_s"
-        t0 = time.perf_counter()
         T = r.job.real_tokens
-        hidden = cache.setdefault(T, synthetic_hidden(T, K, H))
-        ids = torch.arange(T, dtype=torch.int32)
-        cu = torch.tensor([0, T], dtype=torch.int64)
-        staged = store.stage_shard(
-            0,
-            r.job.id,
-            hidden,
-            ids,
-            torch.ones(T, dtype=torch.uint8),
-            cu,
-            torch.tensor([r.job.id], dtype=torch.int64),
-        )
-        # pace: the target needs T / rate seconds per job; the write overlaps that compute time
-        time.sleep(max(0.0, T / rate - (time.perf_counter() - t0)))
-        if not m.publish(
-            r.job, staged.info.nbytes, staged.info.checksum, commit=lambda s=staged: store.commit_staged(s)
-        ):
-            store.discard_staged(staged)
+        if T not in cache:  # made once per length: the "forward" below is the sleep
+            cache[T] = synthetic_hidden(T, K, H)
+        hidden = cache[T]
+        time.sleep(T / rate)  # the target's forward
+        if pending is not None:
+            pending.result()  # the previous shard is published before this one is handed over
+        pending = writer.submit(write, r.job, hidden)
 
 
 class RssSampler(threading.Thread):
@@ -216,17 +230,22 @@ def run_staged(jobs: int, a) -> dict:
         buf = ShardBuffer(store, a.capacity)
         gen = torch.Generator().manual_seed(0)
         step = wait = 0.0
+        over = {"consume_s": 0.0, "release_s": 0.0, "fill_s": 0.0}
         done_samples, steps, consumed_since = 0, 0, []
         t_start = None
         while True:
-            tw = time.perf_counter()
-            while True:
+            tw, scheduled, pauses = time.perf_counter(), 0.0, wait_pauses()
+            while True:  # waiting as dflash train waits (train.draw)
+                tf = time.perf_counter()
                 source.fill(buf)
+                over["fill_s"] += time.perf_counter() - tf
                 if len(buf) >= a.min_ready or source.finished():
                     break
-                if consumed_since:  # never wait while holding consumed, unreleased shards
-                    release(m, store, consumed_since)
-                time.sleep(0.002)
+                if consumed_since and (scheduled >= CHECKPOINT_AFTER_S or m.window()["shards"] >= a.window):
+                    release(m, store, consumed_since)  # never wait on a full window holding consumed shards
+                pause = next(pauses)
+                scheduled += pause
+                time.sleep(pause)
             if t_start is None:
                 t_start = time.perf_counter()  # producers' process start-up is not part of the rate
             else:
@@ -245,12 +264,17 @@ def run_staged(jobs: int, a) -> dict:
             time.sleep(tokens / a.consumer_tok_s)  # the drafter's step
             step += time.perf_counter() - ts
             steps += 1
+            tc = time.perf_counter()
             m.consume([j.id for j, _ in picked], steps)
+            over["consume_s"] += time.perf_counter() - tc
             consumed_since += [j.id for j, _ in picked]
             done_samples += len(picked)
             if steps % a.ckpt_every == 0:
+                tr = time.perf_counter()
                 release(m, store, consumed_since)
+                over["release_s"] += time.perf_counter() - tr
         release(m, store, consumed_since)
+        REMOVER.wait()
         wall = time.perf_counter() - t_start
         produced = [out.get(timeout=60) for _ in procs]
         for p in procs:
@@ -269,6 +293,7 @@ def run_staged(jobs: int, a) -> dict:
             "bottleneck": v["bottleneck"],
             "verdict": v["text"],
             "wall_s": wall,
+            "trainer_ms_per_step": {k: round(1000 * v / max(1, steps), 2) for k, v in over.items()},
             "peak_store_bytes": sampler.peak_disk,
             "peak_rss_bytes": sampler.peak_rss,
         }
@@ -276,9 +301,11 @@ def run_staged(jobs: int, a) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
+REMOVER = Remover()
+
+
 def release(m: Manifest, store: ShardStore, ids: list[int]) -> None:
-    for i in ids:
-        store.delete_shard(0, i)
+    store.delete_shards([(0, i) for i in ids], REMOVER)  # as the trainer's ledger releases
     m.release(ids)
     ids.clear()
 
@@ -293,9 +320,9 @@ def run_queue(jobs: int, a) -> dict:
         for j in range(jobs):
             t0 = time.perf_counter()
             T = a.tokens_per_job
-            h = cache.setdefault(
-                T, synthetic_hidden(T, a.K, a.H)
-            ).clone()  # a fresh tensor per job, as a target makes
+            if T not in cache:
+                cache[T] = synthetic_hidden(T, a.K, a.H)
+            h = cache[T].clone()  # a fresh tensor per job, as a target makes
             time.sleep(max(0.0, T / a.producer_tok_s - (time.perf_counter() - t0)))
             q.put((j % 4, h))
         q.put(None)
@@ -384,6 +411,7 @@ def main() -> None:
                     f"{100 * r['producer_full_frac']:>8.2f}% {100 * r['data_wait_frac']:>6.2f}% "
                     f"{r.get('peak_store_bytes', 0) / 2**20:>9.1f}Mi {r['peak_rss_bytes'] / 2**20:>7.0f}Mi "
                     f"{r['wall_s']:>7.2f}"
+                    + "".join(f" {k[:-2]} {v} ms" for k, v in r.get("trainer_ms_per_step", {}).items())
                 )
         res[regime] = summarize(res, regime, scales, a)
     for regime in regimes:

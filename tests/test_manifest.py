@@ -227,3 +227,18 @@ def test_paths_with_hash_and_question_marks_are_plain_paths(tmp_path):
         with Manifest.open(tmp_path / "run#1?x", readonly=readonly) as m2:
             assert m2.counts()["pending"] == 6
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run#1?x"]
+
+
+def test_sqlite_claims_skip_the_fsync_and_every_other_commit_keeps_it(tmp_path):
+    """Claims, lease extensions and consumes commit without an fsync (a power loss takes their
+    processes too); the handle is back to synchronous=FULL after each, even one that raised."""
+    m = make(tmp_path)
+    mode = lambda: m._conn.execute("PRAGMA synchronous").fetchone()[0]  # noqa: E731
+    assert mode() == 2  # FULL
+    r = m.claim("w0", window=8)
+    assert r.job is not None and mode() == 2
+    with pytest.raises(RuntimeError):
+        with m._tx(durable=False):
+            assert mode() == 1  # NORMAL, for this transaction only
+            raise RuntimeError
+    assert mode() == 2 and m.counts()["claimed"] == 1  # the rollback took nothing else with it

@@ -318,6 +318,22 @@ def test_truncated_file_is_detected(store, verify):
         store.read_shard(0, 1, verify=verify)
 
 
+def test_delete_shards_hides_them_at_once_and_removes_their_files_behind(store):
+    from dflash_staged.store import Remover
+
+    for j in (1, 2, 3):
+        write(store, epoch=j % 2, job=j, seed=j)
+    remover = Remover()
+    store.delete_shards([(1, 1), (0, 2), (0, 9)], remover)  # (0, 9) never existed: idempotent
+    assert list(store.iter_shards()) == [(1, 3)]  # gone for every reader before the files are
+    remover.wait()
+    left = sorted(p.name for p in store.root.rglob("*") if ".del~" in p.name)
+    assert left == [] and list(store.iter_shards()) == [(1, 3)]
+    store.delete_shards([(1, 3)], remover)
+    store.delete_shards([], remover)  # waits for the batch before: one batch behind at most
+    assert not [p for p in store.root.rglob("*") if ".del~" in p.name]
+
+
 def test_deleted_dir_and_damaged_metadata(store):
     import shutil
 

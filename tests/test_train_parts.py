@@ -359,11 +359,13 @@ def test_plot_draws_the_curves_and_refuses_a_run_without_metrics(tmp_path):
     assert code == 1 and out.startswith("error: ") and "metrics.jsonl" in out
 
 
-def test_ranks_wait_together_and_release_before_waiting(live):
+def test_ranks_wait_together_and_release_when_extract_would_wait(live, monkeypatch):
     """DDP: a rank that is ready (its source says nothing more is coming) does not draw while another
-    rank still waits; every rank checkpoints and releases before waiting, and a rank's error stops all."""
+    rank still waits; the ranks checkpoint and release before waiting only when extract's window is
+    full (or the wait is long), and a rank's error stops all."""
     from types import SimpleNamespace
 
+    from dflash_staged.train import draw
     from dflash_staged.train.draw import gather_step
     from dflash_staged.train.sources import DrainError
 
@@ -379,21 +381,25 @@ def test_ranks_wait_together_and_release_before_waiting(live):
             self.polls += 1
             self.other_not_ready -= 1
 
-        def any(self, flag: bool) -> bool:  # "is any rank not ready?" right after a fill; else "stop?"
+        def any(self, flag: bool) -> bool:  # "is any rank not ready?" right after a fill; else this rank's
             asks_ready, self.last_polls = self.polls != getattr(self, "last_polls", 0), self.polls
             return flag or (asks_ready and self.other_not_ready >= 0)
 
         def gather_obj(self, obj):
             return [obj, (DrainError, self.other_error) if self.other_error else None]
 
-    released = []
+    released, in_window = [], {"shards": 8, "bytes": 0}
     dist = TwoRanks(other_not_ready=3)
     t = SimpleNamespace(
         buffer=ShardBuffer(store, capacity=4),
         dist=dist,
         step=5,
         draw_gen=torch.Generator().manual_seed(0),
-        cfg=SimpleNamespace(train=TrainConfig(grad_accum=2, min_ready=2, buffer_capacity=4)),
+        cfg=SimpleNamespace(
+            train=TrainConfig(grad_accum=2, min_ready=2, buffer_capacity=4),
+            extract=SimpleNamespace(window=64),
+        ),
+        m=SimpleNamespace(meta={"extract_window": {"shards": 8}}, window=lambda: in_window),
         source=SimpleNamespace(
             finished=lambda: True,
             fill=lambda b: t.dist.fill(b),
@@ -407,7 +413,14 @@ def test_ranks_wait_together_and_release_before_waiting(live):
     )
     data = gather_step(t, stop=False)
     assert dist.polls == 4 and data is not None and data.shards == []  # drew only once the other was ready
-    assert released == [5]  # released once, before the first wait
+    assert released == [5]  # the window was full (8 of 8): released at once, before the first wait
+    released.clear()
+    in_window["shards"] = 7  # room for a claim: a short wait costs no checkpoint
+    t.dist = TwoRanks(other_not_ready=3)
+    assert gather_step(t, stop=False) is not None and released == []
+    monkeypatch.setattr(draw, "CHECKPOINT_AFTER_S", 0.02)  # ... and a long one does
+    t.dist = TwoRanks(other_not_ready=3)
+    assert gather_step(t, stop=False) is not None and released == [5]
     t.dist = TwoRanks(other_not_ready=10, other_error="2 job(s) are still pending")
     with pytest.raises(DrainError, match="still pending"):
         gather_step(t, stop=False)  # the other rank's error stops this one too, instead of a hang

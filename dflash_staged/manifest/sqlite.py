@@ -129,17 +129,26 @@ class SqliteManifest(SqliteTransitions, Manifest):
         self._conn.close()
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (BEGIN IMMEDIATE): all of it commits, or none of it."""
+    def _tx(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE): all of it commits, or none of it. Its commit
+        fsyncs the WAL, unless not ``durable``: then a power loss (which takes this host's
+        processes with it) may undo it, and the next durable commit makes it durable too; the write
+        lock is not held through an fsync (claims, lease extensions: as on PostgreSQL)."""
         if self.readonly:
             raise ManifestError(f"{self.dir} is open read-only")
-        self._conn.execute("BEGIN IMMEDIATE")
+        if not durable:
+            self._conn.execute("PRAGMA synchronous=NORMAL")
         try:
-            yield self._conn
-        except BaseException:
-            self._conn.execute("ROLLBACK")
-            raise
-        self._conn.execute("COMMIT")
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        finally:
+            if not durable:
+                self._conn.execute("PRAGMA synchronous=FULL")
 
     @staticmethod
     def _event(c: sqlite3.Connection, job: int | None, kind: str, detail: str) -> None:

@@ -53,7 +53,7 @@ class SqliteTransitions:
     ) -> ClaimResult:
         host, pid, start = my_identity()
         now = time.time()
-        with self._tx() as c:
+        with self._tx(durable=False) as c:  # a claim lost in a power loss: its worker went too
             self._reclaim_stale(c, now)
             w = self.window(c)
             row = c.execute(
@@ -89,7 +89,7 @@ class SqliteTransitions:
         )
 
     def extend_lease(self, job: Job, lease_s: float) -> bool:
-        with self._tx() as c:
+        with self._tx(durable=False) as c:
             if not self._owned(c, job):
                 return False
             c.execute("UPDATE jobs SET lease_until=? WHERE id=?", (time.time() + lease_s, job.id))
@@ -174,7 +174,8 @@ class SqliteTransitions:
 
     def consume(self, job_ids: Iterable[int], step: int, rank_of: dict[int, int] | None = None) -> None:
         ids, now = consume_ids(job_ids), time.time()
-        with self._tx() as c:
+        # not durable: a power loss takes the trainer too, and its resume decides from its checkpoint
+        with self._tx(durable=False) as c:
             bad = [
                 i
                 for i in ids

@@ -9,10 +9,12 @@ manifest's metadata).
 (``window < train.buffer_capacity x ranks``) or in bytes (``window_bytes < buffer_capacity x
 ranks x the largest shard``). Why that bound suffices: a trainer rank waits only while its
 buffer is not full (it waits for ``train.min_ready`` shards, or for a second length bucket when
-a step takes several jobs), and it never waits holding consumed, unreleased shards (it
-checkpoints and releases first). So while every rank waits, the window holds claims in flight
-and fewer than ``capacity x ranks`` written shards; claims always publish, so room for one more
-claim appears, and extraction goes on until some buffer fills or nothing is left to extract.
+a step takes several jobs), and it never waits on a full window holding consumed, unreleased
+shards (it checkpoints and releases them as soon as it sees the window full, and after a few
+seconds of waiting in any case). So while every rank waits on a full window, the window holds
+claims in flight and fewer than ``capacity x ranks`` written shards; claims always publish, so
+room for one more claim appears, and extraction goes on until some buffer fills or nothing is
+left to extract.
 Below that bound every shard in the window can be of one length bucket, or sit in one rank's
 buffer, and both sides wait forever.
 

@@ -3,6 +3,7 @@
 The on-disk layout is specified in :mod:`dflash_staged.store.shard_store`.
 """
 
+from dflash_staged.store.cleanup import Remover
 from dflash_staged.store.meta import (
     ARRAYS,
     COMPRESSIONS,
@@ -28,6 +29,7 @@ __all__ = [
     "COMPRESSIONS",
     "FORMAT_VERSION",
     "LOGICAL_DTYPES",
+    "Remover",
     "Shard",
     "ShardCorruptError",
     "ShardError",

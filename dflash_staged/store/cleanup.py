@@ -1,33 +1,75 @@
-"""Removing shards from the store: one shard at a time, and the leftovers of dead writers.
+"""Removing shards from the store, and the leftovers of dead writers.
 
-A deletion renames the shard to ``.del~...`` first (so a reader sees the whole shard or none),
-fsyncs the epoch directory, then removes the files. :meth:`ShardCleanup.cleanup_temp` removes
-the temp and deletion entries whose owner is gone (layout and naming:
-:mod:`dflash_staged.store.shard_store`).
+A deletion renames the shards to ``.del~...`` first (so a reader sees a whole shard or none),
+fsyncs each epoch directory once, then removes the files (here, or on a :class:`Remover`'s
+thread). :meth:`ShardCleanup.cleanup_temp` removes the temp and deletion entries whose owner is
+gone (layout and naming: :mod:`dflash_staged.store.shard_store`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
+from pathlib import Path
 
 from dflash_staged.store.paths import StorePaths
 from dflash_staged.store.shardfiles import fsync_dir, owner_dead, temp_name
+
+
+def _remove(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+class Remover:
+    """Deletes renamed-away shards' files on a background thread (freeing a large file's blocks is
+    the slow part of a deletion), one batch at a time: :meth:`remove` first waits for the previous
+    batch, so the disk holds at most one batch beyond what the manifest counts. :meth:`wait` before
+    exit; deletion leftovers of a process that died first go with :meth:`ShardCleanup.cleanup_temp`."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+
+    def remove(self, paths: list[Path]) -> None:
+        self.wait()
+        if paths:
+            self._thread = threading.Thread(target=_remove, args=(paths,), name="shard-remover", daemon=True)
+            self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 class ShardCleanup(StorePaths):
     """Deleting shards and the temp leftovers of dead writers."""
 
     def delete_shard(self, epoch: int, job_id: int) -> None:
-        """Remove the shard (idempotent): rename it away, fsync the epoch dir, then delete the files."""
-        d = self.shard_path(epoch, job_id)
-        gone = d.parent / temp_name("del", d.name)
-        try:
-            os.rename(d, gone)
-        except FileNotFoundError:
-            return
-        fsync_dir(d.parent)
-        shutil.rmtree(gone, ignore_errors=True)
+        """Remove the shard (idempotent): :meth:`delete_shards` of one."""
+        self.delete_shards([(epoch, job_id)])
+
+    def delete_shards(self, keys, remover: Remover | None = None) -> None:
+        """Remove these ``(epoch, job_id)`` shards (idempotent): rename each away and fsync each epoch
+        directory once (from here on no reader sees them), then delete the files, here or on
+        ``remover``'s thread. A crash leaves whole shards or deletion leftovers."""
+        gone, dirs = [], set()
+        for epoch, job_id in keys:
+            d = self.shard_path(epoch, job_id)
+            away = d.parent / temp_name("del", d.name)
+            try:
+                os.rename(d, away)
+            except FileNotFoundError:
+                continue
+            gone.append(away)
+            dirs.add(d.parent)
+        for d in dirs:
+            fsync_dir(d)
+        if remover is None:
+            _remove(gone)
+        else:
+            remover.remove(gone)
 
     def cleanup_temp(self, stale_s: float = 86400.0, claimed=None, unwanted=None) -> int:
         """Remove temp/deletion leftovers whose writer is dead (this host) or older than ``stale_s``

@@ -7,10 +7,14 @@ waiting, and none sits in a gradient all-reduce while another waits for shards):
   when a step takes several jobs (``train.grad_accum >= 2``); a rank whose buffer is full, or
   whose source will deliver nothing more, counts as ready (never wait on what cannot arrive).
   The window rule (:mod:`dflash_staged.manifest.window`) makes sure a buffer can always fill.
-* **waiting**: while any rank is not ready, all ranks poll together; before waiting they
-  checkpoint and release the consumed shards no checkpoint covers yet (this frees extract's
-  window), and a rank that finds progress impossible (jobs pending but no extract running)
-  stops every rank with the same message.
+* **waiting**: while any rank is not ready, all ranks poll together, every 10 ms at first and
+  backing off to :data:`WAIT_POLL_S` (a shard that is nearly there costs a short wait). A rank
+  that holds consumed shards no checkpoint covers yet checkpoints and releases them (which frees
+  extract's window) as soon as extract's window is full (:func:`window_full`: it could otherwise
+  wait for the trainer forever) or the wait has lasted :data:`CHECKPOINT_AFTER_S`; a short wait
+  with room in the window costs no checkpoint. After the first quarter second, a rank that finds
+  progress impossible (jobs pending but no extract running) stops every rank with the same
+  message. Every decision counts polls, never clocks, so ranks agree.
 * **drawing**: forced jobs first (a replay's recorded order), then uniformly at random from the
   buffer, preferring length buckets not yet in the step (:meth:`ShardBuffer.draw`). A shard that
   fails verification goes back to extract and the draw goes on without waiting.
@@ -22,9 +26,12 @@ import time
 from dataclasses import dataclass, field
 
 from dflash_staged.errors import DflashError
+from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.store import ShardError
 
-WAIT_POLL_S = 0.25
+WAIT_POLL_S = 0.25  # the longest pause between polls; the first is WAIT_POLL_S / 2**WAIT_BACKOFFS
+WAIT_BACKOFFS = 5
+CHECKPOINT_AFTER_S = 5.0  # a wait this long (in scheduled pauses) checkpoints and releases anyway
 
 
 @dataclass
@@ -68,21 +75,40 @@ def raise_together(t, check) -> None:
         raise kind(msg) if issubclass(kind, DflashError) else DflashError(msg)
 
 
+def window_full(t) -> bool:
+    """Whether extract's window (the settings it published) has no room for another claim."""
+    s = WindowSettings.from_meta(t.m.meta.get(WindowSettings.KEY), t.cfg.extract.window)
+    w = t.m.window()
+    return w["shards"] >= s.shards or bool(s.window_bytes and w["bytes"] >= s.window_bytes)
+
+
+def wait_pauses():
+    """The pauses between polls while waiting: doubling up to WAIT_POLL_S, then WAIT_POLL_S."""
+    for i in range(WAIT_BACKOFFS, 0, -1):
+        yield WAIT_POLL_S / 2**i
+    while True:
+        yield WAIT_POLL_S
+
+
 def gather_step(t, stop) -> StepData | None:
     """This step's shards on this rank, once every rank is ready; None if a stop was requested."""
     data = StepData()
     t0 = time.perf_counter()
-    waited = False
+    waited, scheduled, pauses = False, 0.0, wait_pauses()
     while not all_ready(t):
         if t.dist.any(bool(stop)):
             return None
-        if t.ledger.holds_unreleased(t.step):  # the same on every rank: the ledger is global
+        if t.ledger.holds_unreleased(t.step) and (  # the same on every rank: the ledger is global
+            scheduled >= CHECKPOINT_AFTER_S or t.dist.any(window_full(t))
+        ):
             t.checkpoint_and_release()
-        raise_together(t, t.source.check_progress_possible)
+        if scheduled >= WAIT_POLL_S:
+            raise_together(t, t.source.check_progress_possible)
         n, need = len(t.buffer), t.cfg.train.min_ready
         t.progress.waiting(n, need, one_bucket=n >= need)
-        waited = True
-        time.sleep(WAIT_POLL_S)
+        waited, pause = True, next(pauses)
+        scheduled += pause
+        time.sleep(pause)
     if waited:
         data.wait_s += time.perf_counter() - t0
     data.bucket_choices = len({e.bucket for e in t.buffer.entries})

@@ -8,9 +8,11 @@ Rules (the state machine itself is :mod:`dflash_staged.manifest.states`):
   manifest refuses to consume a job that is not ``written`` (say, taken twice), so a step that
   would count a job twice stops the trainer before it is recorded;
 * it is deleted and ``released`` (or ``kept`` with ``--keep-shards``) only after a durable
-  checkpoint covers that step;
-* the trainer never waits for shards while it holds consumed, unreleased ones: it checkpoints
-  and releases first, which frees the extractor's window;
+  checkpoint covers that step (renamed away at once, its files removed on a background thread:
+  :class:`~dflash_staged.store.Remover`);
+* the trainer never waits for shards on a full window while it holds consumed, unreleased ones:
+  it checkpoints and releases them, which frees the extractor's window (when:
+  :mod:`dflash_staged.train.draw`);
 * on resume, the checkpoint's record decides what happened: listed jobs are consumed (and
   released now if they were not yet), every other consumed job returns to ``written``.
 
@@ -25,6 +27,7 @@ import numpy as np
 import xxhash
 
 from dflash_staged.manifest import Manifest
+from dflash_staged.store import Remover
 
 
 class Consumed(NamedTuple):
@@ -56,6 +59,7 @@ class Ledger:
         self.live, self.rank, self.keep_shards = live, rank, keep_shards
         self.consumed: dict[int, list[Consumed]] = {}
         self.checkpointed = 0  # the step the newest durable checkpoint covers
+        self.remover = Remover()  # released shards' files go on a background thread
 
     @property
     def writes(self) -> bool:
@@ -101,7 +105,9 @@ class Ledger:
             return
         if not self.keep_shards:
             self.m.check_fence()  # a trainer another one replaced deletes nothing
-            for i in job_ids:
-                j = self.m.job(i)
-                self.store.delete_shard(j.epoch, j.id)
+            self.store.delete_shards([(j.epoch, j.id) for j in map(self.m.job, job_ids)], self.remover)
         self.m.release(job_ids, keep=self.keep_shards)
+
+    def close(self) -> None:
+        """Wait until the released shards' files are gone."""
+        self.remover.wait()

@@ -137,6 +137,7 @@ class Trainer:
         if self.dist.rank == 0 and self.step > 0:
             self._plot()
         self.buffer.close()
+        self.ledger.close()
         if not self.opts.replay:
             try:
                 if self.dist.rank == 0:  # leftovers of writers that died after the last extract exited
