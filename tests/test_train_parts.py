@@ -424,3 +424,15 @@ def test_ranks_wait_together_and_release_when_extract_would_wait(live, monkeypat
     t.dist = TwoRanks(other_not_ready=10, other_error="2 job(s) are still pending")
     with pytest.raises(DrainError, match="still pending"):
         gather_step(t, stop=False)  # the other rank's error stops this one too, instead of a hang
+
+
+def test_metrics_that_cannot_be_written_stop_in_one_line_and_passes_must_be_positive(tmp_path):
+    from dflash_staged.train.metrics import MetricsLog
+
+    from helpers import cli
+
+    (tmp_path / "metrics.jsonl").mkdir()  # as unwritable as a full disk, and as easy to make
+    with pytest.raises(DflashError, match=r"cannot append step 3 to .*metrics\.jsonl.*rerun"):
+        MetricsLog(tmp_path, enabled=True).write({"step": 3, "loss": 1.0})
+    code, out = cli("train", "--replay", "--manifest", tmp_path, "--out", tmp_path / "o", "--passes", "0")
+    assert code == 2 and "--passes" in out and "0 is not in the range x>=1" in out, out

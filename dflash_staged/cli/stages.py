@@ -128,7 +128,11 @@ def extract(
     help="With --replay: repeat the exact step order recorded in that run directory.",
 )
 @click.option(
-    "--passes", type=int, default=1, show_default=True, help="With --replay: passes over the kept shards."
+    "--passes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --replay: passes over the kept shards.",
 )
 @click.option(
     "--set",

@@ -36,8 +36,14 @@ class MetricsLog:
     def write(self, line: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:  # a torn last line is dropped on resume (truncate)
+            raise DflashError(
+                f"cannot append step {line.get('step')} to {self.path}: {e.strerror or e}; free space "
+                "(or fix the directory) and rerun the same command to resume from the last checkpoint"
+            ) from None
         if self._tb is not None and line.get("loss") is not None:
             for key in ("loss", "tau", "lr"):
                 self._tb.add_scalar(key, line[key], line["step"])
