@@ -14,8 +14,8 @@ claims any round granted is reported (more than the window is an overshoot). Las
 ``dflash status --json`` computes) on a manifest of ``--status-jobs`` jobs, on both backends.
 
 Without ``--pg`` it starts a throwaway PostgreSQL cluster (tests/pgcluster.py: Debian's
-``postgresql`` binaries) with fsync on, as the SQLite manifest syncs every transaction
-(``synchronous=FULL``). Workers, the server and this script share the machine's cores, so on a
+``postgresql`` binaries) with fsync on, as the SQLite manifest syncs every publish
+(``synchronous=FULL``; claims commit without an fsync on both backends). Workers, the server and this script share the machine's cores, so on a
 small machine the figures measure the clients' CPU as much as the database.
 """
 
