@@ -15,8 +15,9 @@ claims any round granted is reported (more than the window is an overshoot). Las
 
 Without ``--pg`` it starts a throwaway PostgreSQL cluster (tests/pgcluster.py: Debian's
 ``postgresql`` binaries) with fsync on, as the SQLite manifest syncs every publish
-(``synchronous=FULL``; claims commit without an fsync on both backends). Workers, the server and this script share the machine's cores, so on a
-small machine the figures measure the clients' CPU as much as the database.
+(``synchronous=FULL``; claims commit without an fsync on both backends). Workers, the server
+and this script share the machine's cores, so on a small machine the figures measure the
+clients' CPU as much as the database.
 """
 
 from __future__ import annotations

@@ -232,13 +232,12 @@ def test_paths_with_hash_and_question_marks_are_plain_paths(tmp_path):
 def test_sqlite_claims_skip_the_fsync_and_every_other_commit_keeps_it(tmp_path):
     """Claims, lease extensions and consumes commit without an fsync (a power loss takes their
     processes too); the handle is back to synchronous=FULL after each, even one that raised."""
+    from dflash_staged.errors import DflashError
+
     m = make(tmp_path)
-    mode = lambda: m._conn.execute("PRAGMA synchronous").fetchone()[0]  # noqa: E731
-    assert mode() == 2  # FULL
+    assert m.synchronous() == 2  # FULL
     r = m.claim("w0", window=8)
-    assert r.job is not None and mode() == 2
-    with pytest.raises(RuntimeError):
-        with m._tx(durable=False):
-            assert mode() == 1  # NORMAL, for this transaction only
-            raise RuntimeError
-    assert mode() == 2 and m.counts()["claimed"] == 1  # the rollback took nothing else with it
+    assert r.job is not None and m.synchronous() == 2
+    with pytest.raises(DflashError):
+        m.consume([r.job.id], step=1)  # claimed, not written: refused, rolled back
+    assert m.synchronous() == 2 and m.counts()["claimed"] == 1

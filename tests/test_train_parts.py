@@ -399,7 +399,9 @@ def test_ranks_wait_together_and_release_when_extract_would_wait(live, monkeypat
             train=TrainConfig(grad_accum=2, min_ready=2, buffer_capacity=4),
             extract=SimpleNamespace(window=64),
         ),
-        m=SimpleNamespace(meta={"extract_window": {"shards": 8}}, window=lambda: in_window),
+        m=SimpleNamespace(
+            meta={"extract_window": {"shards": 8}}, window=lambda: in_window, forget_meta=lambda: None
+        ),
         source=SimpleNamespace(
             finished=lambda: True,
             fill=lambda b: t.dist.fill(b),

@@ -147,6 +147,10 @@ class Manifest(SharedQueries, abc.ABC):
     def set_meta(self, key: str, value: Any) -> None:
         """Set one metadata key (extract records ``bytes_per_token``, ``layer_ids``, ``extract_window``)."""
 
+    def forget_meta(self) -> None:
+        """Read :attr:`meta` afresh next time (another process may have set a key since)."""
+        self._meta = None
+
     @abc.abstractmethod
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int32) and loss mask (uint8) of sample i."""

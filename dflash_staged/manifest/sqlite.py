@@ -150,6 +150,10 @@ class SqliteManifest(SqliteTransitions, Manifest):
             if not durable:
                 self._conn.execute("PRAGMA synchronous=FULL")
 
+    def synchronous(self) -> int:
+        """This handle's ``PRAGMA synchronous`` level (2 = FULL: commits fsync the WAL)."""
+        return int(self._conn.execute("PRAGMA synchronous").fetchone()[0])
+
     @staticmethod
     def _event(c: sqlite3.Connection, job: int | None, kind: str, detail: str) -> None:
         c.execute(

@@ -7,7 +7,7 @@ waiting, and none sits in a gradient all-reduce while another waits for shards):
   when a step takes several jobs (``train.grad_accum >= 2``); a rank whose buffer is full, or
   whose source will deliver nothing more, counts as ready (never wait on what cannot arrive).
   The window rule (:mod:`dflash_staged.manifest.window`) makes sure a buffer can always fill.
-* **waiting**: while any rank is not ready, all ranks poll together, every 10 ms at first and
+* **waiting**: while any rank is not ready, all ranks poll together, every 8 ms at first and
   backing off to :data:`WAIT_POLL_S` (a shard that is nearly there costs a short wait). A rank
   that holds consumed shards no checkpoint covers yet checkpoints and releases them (which frees
   extract's window) as soon as extract's window is full (:func:`window_full`: it could otherwise
@@ -75,11 +75,16 @@ def raise_together(t, check) -> None:
         raise kind(msg) if issubclass(kind, DflashError) else DflashError(msg)
 
 
-def window_full(t) -> bool:
-    """Whether extract's window (the settings it published) has no room for another claim."""
-    s = WindowSettings.from_meta(t.m.meta.get(WindowSettings.KEY), t.cfg.extract.window)
+def window_full(t, s: WindowSettings) -> bool:
+    """Whether extract's window (``s``: the settings it published) has no room for another claim."""
     w = t.m.window()
     return w["shards"] >= s.shards or bool(s.window_bytes and w["bytes"] >= s.window_bytes)
+
+
+def published_window(t) -> WindowSettings:
+    """The window extract published last (read afresh), else the run config's."""
+    t.m.forget_meta()
+    return WindowSettings.from_meta(t.m.meta.get(WindowSettings.KEY), t.cfg.extract.window)
 
 
 def wait_pauses():
@@ -94,14 +99,15 @@ def gather_step(t, stop) -> StepData | None:
     """This step's shards on this rank, once every rank is ready; None if a stop was requested."""
     data = StepData()
     t0 = time.perf_counter()
-    waited, scheduled, pauses = False, 0.0, wait_pauses()
+    waited, scheduled, pauses, window = False, 0.0, wait_pauses(), None
     while not all_ready(t):
         if t.dist.any(bool(stop)):
             return None
-        if t.ledger.holds_unreleased(t.step) and (  # the same on every rank: the ledger is global
-            scheduled >= CHECKPOINT_AFTER_S or t.dist.any(window_full(t))
-        ):
-            t.checkpoint_and_release()
+        if t.ledger.holds_unreleased(t.step):  # the same on every rank: the ledger is global
+            if t.dist.rank == 0 and window is None:
+                window = published_window(t)
+            if scheduled >= CHECKPOINT_AFTER_S or t.dist.any(t.dist.rank == 0 and window_full(t, window)):
+                t.checkpoint_and_release()
         if scheduled >= WAIT_POLL_S:
             raise_together(t, t.source.check_progress_possible)
         n, need = len(t.buffer), t.cfg.train.min_ready
