@@ -153,6 +153,11 @@ def base_env() -> dict[str, str]:
     return {**BASE_ENV, "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER") or "PCI_BUS_ID"}
 
 
+def _names_device(train_args) -> bool:
+    """Whether the train arguments choose the trainer's ``--device`` themselves."""
+    return any(a == "--device" or a.startswith("--device=") for a in train_args)
+
+
 def train_device(devices: str) -> str:
     """The pipeline trainer's ``--device`` for extract ``devices``: ``cpu`` when every one is a CPU,
     else the first CUDA device (``cuda:1,cuda:2`` -> ``cuda:1``)."""
@@ -182,7 +187,7 @@ def pipeline_layout(
     m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
     extra = tuple(train_args)
     env_ex, env_tr = base_env(), base_env()
-    if "--device" not in extra and not any(a.startswith("--device=") for a in extra):
+    if not _names_device(extra):
         extra += ("--device", train_device(devices))
     cpu_devs = [d for d in devices.split(",") if d.strip() == "cpu"]
     if len(cpu_devs) == len(devices.split(",")):
@@ -233,32 +238,35 @@ def parse_gpus(text: str, flag: str) -> list[str]:
     return [visible[int(t)] for t in items]
 
 
+@dataclass(frozen=True)
+class NodeOptions:
+    """The options of a node layout besides its devices (the ``dflash node`` flags of the same names;
+    ``target_tok_s`` and ``hidden_size`` only feed the disk arithmetic)."""
+
+    epochs: int = 1
+    seed: int = 0
+    window: int | None = None
+    window_bytes: int | None = None
+    keep_shards: bool = False
+    allow_slow_kernels: bool = False
+    target_tok_s: float = DEFAULT_TARGET_TOK_S
+    hidden_size: int | None = None
+    train_args: tuple[str, ...] = ()
+    manifest: str | None = None
+    tp: int = 1
+
+
 def node_layout(
-    config: Path,
-    data: Path,
-    workdir: Path,
-    *,
-    extract_gpus: str,
-    train_gpus: str,
-    epochs: int = 1,
-    seed: int = 0,
-    window=None,
-    window_bytes=None,
-    keep_shards: bool = False,
-    allow_slow_kernels: bool = False,
-    target_tok_s: float = DEFAULT_TARGET_TOK_S,
-    hidden_size: int | None = None,
-    train_args: tuple[str, ...] = (),
-    manifest: str | None = None,
-    tp: int = 1,
+    config: Path, data: Path, workdir: Path, *, extract_gpus: str, train_gpus: str, **options
 ) -> Layout:
     """One node: extract workers on `extract_gpus` (groups of `tp`), torchrun trainer ranks on
-    `train_gpus`."""
+    `train_gpus`; ``options``: :class:`NodeOptions`."""
+    o = NodeOptions(**options)
     ex, tr = parse_gpus(extract_gpus, "--extract-gpus"), parse_gpus(train_gpus, "--train-gpus")
-    if len(ex) % tp:
+    if len(ex) % o.tp:
         raise DflashError(
-            f"--tp {tp} does not divide the {len(ex)} GPU(s) of --extract-gpus {extract_gpus}: give "
-            f"a multiple of {tp} extract GPUs (each tensor-parallel worker takes {tp})"
+            f"--tp {o.tp} does not divide the {len(ex)} GPU(s) of --extract-gpus {extract_gpus}: give "
+            f"a multiple of {o.tp} extract GPUs (each tensor-parallel worker takes {o.tp})"
         )
     both = sorted(set(ex) & set(tr), key=int)
     if both:
@@ -266,33 +274,50 @@ def node_layout(
             f"GPU(s) {','.join(both)} are in both --extract-gpus and --train-gpus; give each stage "
             "its own GPUs (use bin/pipeline to share one)"
         )
+    env_tr = {"CUDA_VISIBLE_DEVICES": ",".join(tr), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S)}
+    return _node(
+        config,
+        data,
+        workdir,
+        o,
+        extract_devices=",".join(f"cuda:{i}" for i in range(len(ex))),
+        train_ranks=len(tr),
+        env_ex={**base_env(), "CUDA_VISIBLE_DEVICES": ",".join(ex)},
+        env_tr={**base_env(), **env_tr},
+        train_extra=(),
+    )
+
+
+def _node(
+    config: Path,
+    data: Path,
+    workdir: Path,
+    o: NodeOptions,
+    *,
+    extract_devices: str,
+    train_ranks: int,
+    env_ex: dict[str, str],
+    env_tr: dict[str, str],
+    train_extra: tuple[str, ...],
+) -> Layout:
+    """A node's layout: plan if needed, extract on ``extract_devices``, train as ``train_ranks``
+    torchrun ranks, and the disk arithmetic."""
     workdir = Path(workdir)
-    m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
-    devices = ",".join(f"cuda:{i}" for i in range(len(ex)))
-    g = len(tr)
-    train = _train_args(m, s, r, keep_shards, tuple(train_args))
+    m, s, r = o.manifest or workdir / "manifest", workdir / "store", workdir / "run"
+    g = train_ranks
+    train = _train_args(m, s, r, o.keep_shards, tuple(o.train_args) + train_extra)
     train_cmd = [PY, "-m", "dflash_staged", *train] + (["--nproc", str(g)] if g > 1 else [])  # torchrun ranks
+    ex_args = _extract_args(m, s, extract_devices, o.window, o.window_bytes, o.allow_slow_kernels, g, o.tp)
     layout = Layout(
         workdir,
-        plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
-        Proc(
-            "extract",
-            _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g, tp),
-            {**base_env(), "CUDA_VISIBLE_DEVICES": ",".join(ex)},
-        ),
-        Proc(
-            "train",
-            train_cmd,
-            {
-                **base_env(),
-                "CUDA_VISIBLE_DEVICES": ",".join(tr),
-                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S),
-            },
-        ),
-        manifest_address=manifest,
+        plan_cmd_if_needed(Path(config), Path(data), m, o.epochs, o.seed),
+        Proc("extract", ex_args, env_ex),
+        Proc("train", train_cmd, env_tr),
+        manifest_address=o.manifest,
     )
+    n_extract = len(extract_devices.split(","))
     layout.disk_notes = lambda: disk_requirements(
-        config, len(ex), target_tok_s, hidden_size, m, window, tp=tp
+        config, n_extract, o.target_tok_s, o.hidden_size, m, o.window, tp=o.tp
     )[1]
     return layout
 
@@ -303,42 +328,21 @@ def cpu_threads(n_devices: int) -> int:
 
 
 def cpu_node_layout(
-    config: Path,
-    data: Path,
-    workdir: Path,
-    *,
-    extract_cpus: int,
-    train_cpus: int,
-    epochs: int = 1,
-    seed: int = 0,
-    window=None,
-    window_bytes=None,
-    keep_shards: bool = False,
-    allow_slow_kernels: bool = False,
-    target_tok_s: float = DEFAULT_TARGET_TOK_S,
-    hidden_size: int | None = None,
-    train_args: tuple[str, ...] = (),
-    manifest: str | None = None,
-    tp: int = 1,
+    config: Path, data: Path, workdir: Path, *, extract_cpus: int, train_cpus: int, **options
 ) -> Layout:
-    """A node of ``extract_cpus + train_cpus`` CPU devices (the module docstring)."""
-    workdir = Path(workdir)
-    m, s, r = manifest or workdir / "manifest", workdir / "store", workdir / "run"
-    extra = tuple(train_args)
-    if "--device" not in extra and not any(a.startswith("--device=") for a in extra):
-        extra += ("--device", "cpu")
-    g = train_cpus
-    train_cmd = [PY, "-m", "dflash_staged", *_train_args(m, s, r, keep_shards, extra)]
+    """A node of ``extract_cpus + train_cpus`` CPU devices (the module docstring); ``options``:
+    :class:`NodeOptions`."""
+    o = NodeOptions(**options)
+    device = () if _names_device(o.train_args) else ("--device", "cpu")
     env = {**base_env(), "OMP_NUM_THREADS": str(cpu_threads(extract_cpus + train_cpus))}
-    devices = ",".join(["cpu"] * extract_cpus)
-    layout = Layout(
+    return _node(
+        config,
+        data,
         workdir,
-        plan_cmd_if_needed(Path(config), Path(data), m, epochs, seed),
-        Proc("extract", _extract_args(m, s, devices, window, window_bytes, allow_slow_kernels, g, tp), env),
-        Proc("train", train_cmd + (["--nproc", str(g)] if g > 1 else []), dict(env)),
-        manifest_address=manifest,
+        o,
+        extract_devices=",".join(["cpu"] * extract_cpus),
+        train_ranks=train_cpus,
+        env_ex=env,
+        env_tr=dict(env),
+        train_extra=device,
     )
-    layout.disk_notes = lambda: disk_requirements(
-        config, extract_cpus, target_tok_s, hidden_size, m, window, tp=tp
-    )[1]
-    return layout
