@@ -220,10 +220,12 @@ def train(
         init_from=init_from,
     )
     trainer = build_trainer(opts)
+    finished = False
     try:
         code = train_loop(trainer)
+        finished = True
     finally:
-        trainer.close()
+        trainer.close(finished)
     sys.exit(code)
 
 

@@ -96,7 +96,8 @@ def wait_pauses():
 
 
 def gather_step(t, stop) -> StepData | None:
-    """This step's shards on this rank, once every rank is ready; None if a stop was requested."""
+    """This step's shards on this rank, once every rank is ready; None on every rank alike once a stop
+    was requested on any (agreed by a collective, so the caller may branch on it)."""
     data = StepData()
     t0 = time.perf_counter()
     waited, scheduled, pauses, window = False, 0.0, wait_pauses(), None

@@ -176,12 +176,16 @@ def train_loop(t: Trainer) -> int:
     stop, idle = StopRequested(), BusyIdle(t)
     while not (t.opts.max_steps and t.step >= t.opts.max_steps):
         # ---- data: this step's shards (may wait, all ranks together; never holding unreleased shards) --
+        # Between collectives, branch only on values every rank agreed on: a stop signal may reach
+        # some ranks only (one rank's pid, or the gap between torchrun's signals to its ranks).
         data = gather_step(t, stop)
-        idle.step(data.wait_s if data else 0.0)
-        local = [] if data is None else data.shards
+        if data is None:
+            break  # every rank agreed to stop (gather_step's dist.any)
+        idle.step(data.wait_s)
+        local = data.shards
         if not dist.any(len(local) > 0):
-            if stop or not dist.any(not t.source.finished()):
-                break  # drained (or stopping)
+            if not dist.any(not t.source.finished()):
+                break  # drained
             continue  # every shard drawn failed verification and went back to extract: wait for more
         t_step = time.perf_counter()
 

@@ -133,7 +133,10 @@ class Trainer:
         if self.opts.total_steps is None:
             self.total_steps = int(state["total_steps"])  # the schedule continues as it began
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Close every component. ``finished``: the loop returned on every rank (not an error), so the
+        ranks also leave together (a barrier): torchrun ends the other ranks as soon as one exits
+        with a non-zero code (a stop), and one still closing would be cut short."""
         if self.dist.rank == 0 and self.step > 0:
             self._plot()
         self.buffer.close()
@@ -152,6 +155,8 @@ class Trainer:
             self.m.close()
         self.metrics.close()
         self.progress.close()
+        if finished:
+            self.dist.barrier()
         self.dist.close()
 
     def _plot(self) -> None:

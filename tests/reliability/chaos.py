@@ -7,7 +7,9 @@ Each kill SIGKILLs one process chosen at random among the trainer, the extract s
 and the extract workers (the first three kills cover each kind once), among those alive for a
 random minimum age, so most kills land in real work rather than in interpreter start-up.
 With ``nproc`` > 1 the trainer is ``dflash train --nproc N`` (torchrun, N ranks on gloo), and a
-trainer kill is a kill -9 of the whole trainer: the launcher and every rank.
+trainer kill is a kill -9 of the whole trainer: the launcher and every rank; a ``rank`` kill is a
+SIGTERM to one rank only (a stop that reaches some ranks: every rank must checkpoint and stop,
+and the trainer is restarted).
 Killed processes are restarted: the trainer with the same command line (it resumes), extract
 workers by starting another `dflash extract` with the missing number of workers. Processes
 can also kill themselves at chosen crash points (see hooks/dflash_fault_hooks.py).
@@ -113,6 +115,7 @@ class Chaos:
             self.env_train,
         )
         self.trainer_started = time.time()
+        self.trainer_termed = False  # a rank of it was sent SIGTERM: it exits non-zero, then restarts
 
     def start_extract(self, n: int) -> None:
         p = start(
@@ -258,7 +261,7 @@ class Chaos:
             rc = self.trainer.returncode
             if rc == 0:
                 self.trainer_done = True
-            elif rc == -signal.SIGKILL:
+            elif rc == -signal.SIGKILL or self.trainer_termed:
                 self.report.restarts["trainer"] += 1
                 self.start_trainer()
             else:
@@ -304,6 +307,9 @@ class Chaos:
         try:
             if self.nproc > 1 and self.trainer is not None and pid == self.trainer.pid:
                 kill_tree(pid)
+            elif kind == "rank":
+                os.kill(pid, signal.SIGTERM)
+                self.trainer_termed = True
             else:
                 os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, psutil.NoSuchProcess):
@@ -319,6 +325,15 @@ class Chaos:
                 and now - self.trainer_started >= min_age
             )
             return [self.trainer.pid] if ok else []
+        if kind == "rank":
+            out = []
+            for pid in self.ranks():
+                try:
+                    if now - psutil.Process(pid).create_time() >= min_age:
+                        out.append(pid)
+                except psutil.NoSuchProcess:
+                    pass
+            return out
         if kind == "supervisor":
             return [p.pid for p, _, t in self.extracts if p.poll() is None and now - t >= min_age]
         out = []

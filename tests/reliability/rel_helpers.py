@@ -33,6 +33,24 @@ def hooked_env(**hooks) -> dict:
     return e
 
 
+def tracebacks(text: str) -> list[str]:
+    """The Python tracebacks in a log, but for torchrun's own report that a rank exited with a non-zero
+    code (``ChildFailedError``: how torchrun ends when a stop signal made its ranks exit 128 + N)."""
+    out, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        if not lines[i].startswith("Traceback (most recent call last):"):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and (lines[j].startswith(" ") or not lines[j].strip()):
+            j += 1
+        block = "\n".join(lines[i : j + 1])
+        if j >= len(lines) or not lines[j].startswith("torch.distributed.elastic.multiprocessing.errors."):
+            out.append(block)
+        i = j + 1
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- the store
 def scan_store(store: Path) -> dict:
     """Published shard directories, temporary/deletion leftovers and bytes on disk (racy but safe)."""

@@ -23,7 +23,13 @@ from dflash_staged.model.dims import target_dims
 from chaos import Chaos
 from helpers import plan, run, start, write_config, write_dataset
 from pgcluster import BOTH, PG_SLOW
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
+from rel_helpers import (
+    assert_all_released_and_clean,
+    assert_exactly_once,
+    hooked_env,
+    scan_store,
+    tracebacks,
+)
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 WINDOW = 16
@@ -44,7 +50,7 @@ def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float, mani
     mdir = plan(tmp_path, n, epochs, extra=EXTRA, manifest=manifest)
     store, run_dir = tmp_path / "store", tmp_path / "run"
     ddp = (
-        {"nproc": nproc, "kinds": ("trainer",), "crash_train": None}
+        {"nproc": nproc, "kinds": ("trainer", "rank"), "crash_train": None}
         if nproc > 1
         else {"crash_train": CRASH_TRAIN}
     )
@@ -75,7 +81,7 @@ def chaos_case(tmp_path, kills: int, n: int, epochs: int, timeout_s: float, mani
     logs = "".join(
         (tmp_path / f).read_text() for f in ("train.log", "extract.log") if (tmp_path / f).exists()
     )
-    assert "Traceback" not in logs, f"seed {seed}: a traceback in the logs:\n{logs[-4000:]}"
+    assert not tracebacks(logs), f"seed {seed}: a traceback in the logs:\n{tracebacks(logs)[:2]}"
     errors = [x for x in logs.splitlines() if re.match(r"(extract: worker \d+: |error: )", x)]
     assert not errors, f"seed {seed}: errors in the logs: {errors[:5]}"
     assert len(r.kills) >= kills, f"seed {seed}: only {len(r.kills)} kills happened"
