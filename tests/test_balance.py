@@ -186,6 +186,27 @@ def test_report_reaches_status_through_each_backend(tmp_path, backend):
     assert "bottleneck (whole run): no figures from train yet" in text
 
 
+def test_sqlite_reports_skip_the_fsync_but_the_final_one(tmp_path, monkeypatch):
+    """The reports every 2 s per rank and per supervisor held SQLite's write lock through an fsync, on
+    the step path: only the final one (which becomes an event that outlives the run) is durable."""
+    mdir = plan(tmp_path, n=8)
+    with Manifest.open(mdir) as m:
+        m.register("extract", info={"devices": ["cpu"], "tp": 1})
+        real, seen = m._tx, []
+
+        def tx(durable: bool = True):
+            seen.append(durable)
+            return real(durable)
+
+        monkeypatch.setattr(m, "_tx", tx)
+        m.report("extract", fig(None, ex(3, 1), devices=["cpu"]))
+        m.report("extract", fig(None, ex(4, 1), devices=["cpu"]))
+        m.report("extract", fig(None, ex(6, 2), devices=["cpu"]), final=True)
+        assert seen == [False, False, True]
+        assert m.synchronous() == 2  # FULL again for every other commit
+        assert m.events("balance:extract")
+
+
 def test_stopwatch_and_the_trainers_figures(tmp_path, monkeypatch):
     from dflash_staged.extract.messages import Seconds, Stopwatch
     from dflash_staged.train.loop import BusyIdle

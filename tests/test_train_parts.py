@@ -225,11 +225,38 @@ def test_ledger_releases_only_what_a_checkpoint_covers(live, keep):
     led.record(2, [Consumed(ids[2], 0, 10, 0, 5.0)])
     assert led.holds_unreleased(2) and m.job(ids[0]).state == "consumed"
     led.checkpoint_done(1)  # covers step 1 only
+    led.poll(wait=True)  # released once the remover has deleted their files
     assert [m.job(i).state for i in ids] == ["kept" if keep else "released"] * 2 + ["consumed", "written"]
     assert store.has_shard(m.job(ids[0]).epoch, ids[0]) == keep and store.has_shard(
         m.job(ids[2]).epoch, ids[2]
     )
     assert led.covered() == {ids[0]: 1, ids[1]: 1, ids[2]: 2}
+
+
+def test_ledger_releases_a_batch_only_once_its_files_are_gone(live, monkeypatch):
+    """Extract's window counts consumed shards: they leave it (released) only after the remover has
+    deleted their files, so the store never holds more than the window allows (issue 33, item 3)."""
+    import threading
+
+    from dflash_staged.store import cleanup
+
+    m, store = live
+    ids = publish_all(m, store, limit=3)
+    gate, real = threading.Event(), cleanup._remove
+    monkeypatch.setattr(cleanup, "_remove", lambda paths: (gate.wait(30), real(paths)))
+    led = Ledger(m, store, live=True, rank=0, keep_shards=False)
+    led.record(1, [Consumed(ids[0], 0, 10, 0, 5.0), Consumed(ids[1], 0, 10, 0, 5.0)])
+    in_window = m.window()["shards"]
+    led.checkpoint_done(1)
+    assert not store.has_shard(m.job(ids[0]).epoch, ids[0])  # renamed away at once: no reader sees it
+    led.poll()
+    assert [m.job(i).state for i in ids[:2]] == ["consumed", "consumed"]  # its files are not gone yet
+    assert m.window()["shards"] == in_window
+    gate.set()
+    led.poll(wait=True)
+    assert [m.job(i).state for i in ids] == ["released", "released", "written"]
+    assert m.window()["shards"] == in_window - 2
+    led.close()
 
 
 def test_ledger_reconcile_on_resume(live):
@@ -239,6 +266,7 @@ def test_ledger_reconcile_on_resume(live):
     led = Ledger(m, store, live=True, rank=0, keep_shards=False)
     led.load_state_dict({"consumed": {"1": [[ids[0], 0, 10, 0, 5.0]]}, "step": 1})
     led.reconcile()
+    led.poll(wait=True)
     assert [m.job(i).state for i in ids] == ["released", "written", "written"]
     assert not store.has_shard(m.job(ids[0]).epoch, ids[0]) and store.has_shard(m.job(ids[1]).epoch, ids[1])
 
@@ -409,7 +437,7 @@ def test_ranks_wait_together_and_release_when_extract_would_wait(live, monkeypat
             forced_step=lambda step: [],
             live=True,
         ),
-        ledger=SimpleNamespace(holds_unreleased=lambda step: not released),
+        ledger=SimpleNamespace(holds_unreleased=lambda step: not released, poll=lambda: None),
         checkpoint_and_release=lambda: released.append(t.step),
         progress=SimpleNamespace(waiting=lambda *a, **k: None),
     )

@@ -124,6 +124,8 @@ class Registry:
 
         def body(cur, _):  # a retry of a committed final report logs its event twice: readers keep the last
             nonlocal info
+            if not final:  # figures, not state: no wait for the WAL flush (as heartbeats)
+                cur.execute("SET LOCAL synchronous_commit TO off")
             row = cur.execute("SELECT info FROM procs WHERE id = %s", (pid_key,)).fetchone()
             if row is not None:
                 info = json.dumps({**json.loads(row["info"] or "{}"), "balance": figures})

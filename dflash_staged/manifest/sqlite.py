@@ -302,7 +302,8 @@ class SqliteManifest(SqliteTransitions, Manifest):
     def report(self, role: str, figures: dict, final: bool = False) -> None:
         host, pid, start = my_identity()
         pid_key = f"{role}:{host}:{pid}:{start}"
-        with self._tx() as c:
+        # the periodic reports are figures, not state: not worth holding the write lock through an fsync
+        with self._tx(durable=final) as c:
             row = c.execute("SELECT info FROM procs WHERE id=?", (pid_key,)).fetchone()
             if row is not None:
                 info = {**json.loads(row["info"] or "{}"), "balance": figures}

@@ -25,8 +25,10 @@ def _remove(paths: list[Path]) -> None:
 class Remover:
     """Deletes renamed-away shards' files on a background thread (freeing a large file's blocks is
     the slow part of a deletion), one batch at a time: :meth:`remove` first waits for the previous
-    batch, so the disk holds at most one batch beyond what the manifest counts. :meth:`wait` before
-    exit; deletion leftovers of a process that died first go with :meth:`ShardCleanup.cleanup_temp`."""
+    batch. :meth:`done` says whether the last batch's files are gone: the trainer's ledger releases
+    a batch in the manifest (which frees extract's window) only then, so the store never holds more
+    than the window counts. :meth:`wait` before exit; deletion leftovers of a process that died first
+    go with :meth:`ShardCleanup.cleanup_temp`."""
 
     def __init__(self):
         self._thread: threading.Thread | None = None
@@ -36,6 +38,10 @@ class Remover:
         if paths:
             self._thread = threading.Thread(target=_remove, args=(paths,), name="shard-remover", daemon=True)
             self._thread.start()
+
+    def done(self) -> bool:
+        """Whether every batch given so far is deleted."""
+        return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> None:
         if self._thread is not None:

@@ -157,11 +157,15 @@ def temp_name(kind: str, label: str) -> str:
 
 
 def owner_dead(name: str, stale_s: float, path: Path, orphan=None) -> bool:
-    """Is the process that made temp entry ``name`` gone? Unknown hosts count as dead once stale, or
-    when ``orphan(kind, label, host, pid)`` (the caller's knowledge, e.g. the manifest's) says so."""
+    """May temp entry ``name`` go: is the process that made it gone? Unknown hosts count as dead once
+    stale, or when ``orphan(kind, label, host, pid)`` (the caller's knowledge, e.g. the manifest's) says
+    so. A deletion entry (``.del~``) of this host goes unless this process made it: it is never needed
+    again, and its pid alone cannot tell (after a container restart a low pid is another process's)."""
     parts = name.rsplit("~", 3)  # prefix, pid, token, host
     if len(parts) != 4 or not parts[1].isdigit():
         return False
+    if parts[3] == HOST and parts[0].startswith(".del~"):
+        return int(parts[1]) != os.getpid()
     if parts[3] != HOST:
         kind, _, label = parts[0].lstrip(".").partition("~")
         if orphan is not None and orphan(kind, label, parts[3], int(parts[1])):

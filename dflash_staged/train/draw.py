@@ -111,6 +111,7 @@ def gather_step(t, stop) -> StepData | None:
                 t.checkpoint_and_release()
         if scheduled >= WAIT_POLL_S:
             raise_together(t, t.source.check_progress_possible)
+        t.ledger.poll()  # a batch whose files are gone is released: room in extract's window
         n, need = len(t.buffer), t.cfg.train.min_ready
         t.progress.waiting(n, need, one_bucket=n >= need)
         waited, pause = True, next(pauses)

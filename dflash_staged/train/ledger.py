@@ -8,8 +8,11 @@ Rules (the state machine itself is :mod:`dflash_staged.manifest.states`):
   manifest refuses to consume a job that is not ``written`` (say, taken twice), so a step that
   would count a job twice stops the trainer before it is recorded;
 * it is deleted and ``released`` (or ``kept`` with ``--keep-shards``) only after a durable
-  checkpoint covers that step (renamed away at once, its files removed on a background thread:
-  :class:`~dflash_staged.store.Remover`);
+  checkpoint covers that step: renamed away at once, its files removed on a background thread
+  (:class:`~dflash_staged.store.Remover`), and marked ``released`` only once those files are gone
+  (:meth:`Ledger.poll`, called between steps and while waiting; at the latest before the next
+  batch is deleted), so extract's window, which counts consumed shards, never lets the store hold
+  more bytes than it allows;
 * the trainer never waits for shards on a full window while it holds consumed, unreleased ones:
   it checkpoints and releases them, which frees the extractor's window (when:
   :mod:`dflash_staged.train.draw`);
@@ -21,11 +24,13 @@ Only rank 0 of a live run writes to the manifest; a replay never does.
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
+from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import Remover
 
@@ -60,6 +65,7 @@ class Ledger:
         self.consumed: dict[int, list[Consumed]] = {}
         self.checkpointed = 0  # the step the newest durable checkpoint covers
         self.remover = Remover()  # released shards' files go on a background thread
+        self.deleting: list[int] = []  # jobs whose files the remover is deleting: released once gone
 
     @property
     def writes(self) -> bool:
@@ -84,7 +90,16 @@ class Ledger:
         """A checkpoint covering ``step`` is durable: release (or keep) what it covers."""
         self.checkpointed = step
         if self.writes:
+            self.poll(wait=True)  # the previous batch first: its jobs are still consumed until then
             self._release([j.id for j in self.m.consumed_upto(step)])
+
+    def poll(self, wait: bool = False) -> None:
+        """Mark the batch being deleted released once its files are gone (``wait``: wait for that)."""
+        if not self.deleting or not (wait or self.remover.done()):
+            return
+        self.remover.wait()
+        ids, self.deleting = self.deleting, []
+        self.m.release(ids)
 
     def state_dict(self) -> dict:
         """The record (train.checkpoint.Stateful)."""
@@ -103,11 +118,19 @@ class Ledger:
     def _release(self, job_ids: list[int]) -> None:
         if not job_ids:
             return
-        if not self.keep_shards:
-            self.m.check_fence()  # a trainer another one replaced deletes nothing
-            self.store.delete_shards([(j.epoch, j.id) for j in map(self.m.job, job_ids)], self.remover)
-        self.m.release(job_ids, keep=self.keep_shards)
+        if self.keep_shards:
+            self.m.release(job_ids, keep=True)
+            return
+        self.poll(wait=True)
+        self.m.check_fence()  # a trainer another one replaced deletes nothing
+        self.store.delete_shards([(j.epoch, j.id) for j in map(self.m.job, job_ids)], self.remover)
+        self.deleting = list(job_ids)
 
     def close(self) -> None:
-        """Wait until the released shards' files are gone."""
+        """Wait until the released shards' files are gone, and mark them released."""
         self.remover.wait()
+        if self.writes and self.deleting:
+            try:
+                self.poll(wait=True)
+            except DflashError as e:  # the manifest is gone: a resume releases them (reconcile)
+                print(f"train: warning: could not mark released shards released: {e}", file=sys.stderr)

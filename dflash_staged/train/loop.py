@@ -200,6 +200,7 @@ def train_loop(t: Trainer) -> int:
         mine = [consumed_item(job, dist.rank, shard) for job, shard in local]
         jobs: list[Consumed] = dist.gather_jobs(mine)
         t.ledger.record(t.step, jobs)
+        t.ledger.poll()  # release the previous checkpoint's shards once their files are gone
         step_s = time.perf_counter() - t_step
 
         # ---- log --------------------------------------------------------------------------------

@@ -17,12 +17,14 @@ import base64
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from dflash_staged.config import Config
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
+from dflash_staged.procs import HOST
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train import inputs
@@ -36,6 +38,8 @@ from dflash_staged.train.options import TrainOptions
 from dflash_staged.train.progress import Progress
 from dflash_staged.train.sources import LiveSource, ReplaySource
 from dflash_staged.train.trained_drafter import DrafterModel, build_drafter
+
+RUN_KEY = "trainer_run"  # the manifest's record of the run that checkpoints on it: {"host", "out"}
 
 
 class Generators:
@@ -93,6 +97,8 @@ class Trainer:
         raise_together(self, (lambda: None) if self.opts.replay else self.m.check_fence)
         state = ckpt.TrainerState.collect(self.states, self.dist.gather_obj)
         if self.dist.rank == 0:
+            if not self.opts.replay:
+                self._record_run()  # durable before the checkpoint it names exists
             ckpt.save_checkpoint(
                 self.opts.out,
                 self.step,
@@ -102,6 +108,13 @@ class Trainer:
             )
         self.dist.barrier()
         self.ledger.checkpoint_done(self.step)
+
+    def _record_run(self) -> None:
+        """Record in the manifest (durably, once per process) where this run checkpoints: a trainer started
+        with another ``--out`` is refused while these checkpoints exist (:func:`resume`)."""
+        here = {"host": HOST, "out": str(self.opts.out.resolve())}
+        if self.m.meta.get(RUN_KEY) != here:
+            self.m.set_meta(RUN_KEY, here)
 
     # -- the run's own part of a checkpoint (train.checkpoint.Stateful) -----------------------------------
     def state_dict(self) -> dict:
@@ -235,19 +248,36 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     return t
 
 
+def refuse_another_run(m: Manifest, out) -> None:
+    """A new run (no checkpoint in ``out``) on a manifest that another run checkpointed: refused while
+    that run's checkpoints exist (on another host: always). Its record, not the manifest's states,
+    decides what it trained: on SQLite a power loss can undo its consumes (relaxed commits)."""
+    prev = m.meta.get(RUN_KEY)
+    if not prev or prev.get("out") == str(out.resolve()):
+        return
+    if prev.get("host") == HOST and ckpt.latest_checkpoint(Path(prev["out"])) is None:
+        return  # its checkpoints are gone: nothing records what it trained
+    raise DflashError(
+        f"{m.address} is being trained by the run in {prev['out']} (host {prev.get('host')}), whose "
+        f"checkpoints record what it trained; rerun with --out {prev['out']} to resume it (that also "
+        "repairs the manifest after a power loss), or plan a new manifest"
+    )
+
+
 def resume(t: Trainer) -> None:
     """Restore the newest checkpoint (if any) and reconcile the manifest with it."""
     opts, m, dist = t.opts, t.m, t.dist
     latest = ckpt.latest_checkpoint(opts.out)
-    if latest is None:
+    if latest is None and not opts.replay:
         c = m.counts()
-        if not opts.replay and (c["released"] or c["kept"]):
+        if c["released"] or c["kept"]:
             raise DflashError(
                 f"{m.address} was already partly trained ({c['released'] + c['kept']} shards consumed "
                 f"and released) by a run whose checkpoints are not in {opts.out}; rerun with that "
                 "run's --out to resume it, or plan a new manifest"
             )
-    else:
+        refuse_another_run(m, opts.out)
+    elif latest is not None:
         ckpt.load_checkpoint(latest).restore(t.states, dist.rank)
     t.ledger.reconcile()
     dist.barrier()

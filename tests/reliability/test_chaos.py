@@ -202,6 +202,38 @@ def test_cleanup_treats_zombie_writers_as_dead(tmp_path):
     zombie.wait()
 
 
+def test_deletion_leftovers_whose_pid_is_reused_are_removed(tmp_path):
+    """Regression: a ``.del~`` leftover named with a pid that now belongs to another live process (a
+    container restarted under the same host name reuses low pids) was kept forever, outside every
+    window count. A deletion entry is never needed again: any this process is not deleting goes."""
+    import socket
+    import subprocess
+
+    from dflash_staged.store import ShardStore, StoreMeta
+
+    store = ShardStore.create_or_open(
+        tmp_path / "store",
+        StoreMeta(manifest_id="m", target_id="t", layer_ids=[1], hidden_size=4, logical_dtype="float32"),
+    )
+    foreign = subprocess.Popen(["sleep", "60"])  # a live process that never deleted anything
+    try:
+        edir = tmp_path / "store" / "shards" / "e0"
+        edir.mkdir()
+        host = socket.gethostname()
+        reused = edir / f".del~j5~{foreign.pid}~deadbeef~{host}"
+        (reused / "hidden").mkdir(parents=True)
+        (reused / "hidden" / "c.0.0.0").write_bytes(b"x" * 1000)
+        mine = edir / f".del~j6~{os.getpid()}~deadbeef~{host}"  # this process is deleting it: kept
+        mine.mkdir()
+        writer = edir / f".tmp~j7~{foreign.pid}~deadbeef~{host}"  # a live writer's staged shard: kept
+        writer.mkdir()
+        assert store.cleanup_temp() == 1
+        assert not reused.exists() and mine.exists() and writer.exists()
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
 def test_plan_killed_midway_leaves_nothing(tmp_path):
     """Regression: `dflash plan` killed while writing the manifest left its temporary directory for good;
     the next plan of that manifest now removes it (its creator is dead) and completes."""

@@ -22,8 +22,8 @@ import pytest
 from dflash_staged.manifest import Manifest
 from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 
-from helpers import plan, start
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, tracebacks
+from helpers import plan, run, start
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, tracebacks
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 STOP_WITHIN_S = 30.0  # "within seconds": the ranks start two Python processes' worth of shutdown
@@ -162,5 +162,33 @@ def test_a_stop_seen_by_one_rank_stops_both_at_once(tmp_path, who):
                 except psutil.NoSuchProcess:
                     pass
                 p.kill()
+    assert_exactly_once(mdir, out)
+    assert_all_released_and_clean(mdir, store, out)
+
+
+def test_a_new_run_on_a_manifest_another_run_checkpointed_is_refused(tmp_path):
+    """Issue 33 item 6: a trainer killed between a durable checkpoint and the release of what it covers
+    (or whose consumes a power loss undid: SQLite commits them without an fsync) leaves the manifest
+    showing no trained job; a trainer started with another --out is refused, naming the run to resume,
+    and resuming that run repairs the manifest and finishes exactly once."""
+    mdir = plan(tmp_path, n=24, extra=EXTRA)
+    store, out = tmp_path / "store", tmp_path / "run"
+    r = run(["extract", "--manifest", mdir, "--store", store, "--devices", "cpu"])
+    assert r.returncode == 0, r.stderr
+    r = run(
+        ["train", "--manifest", mdir, "--store", store, "--out", out],
+        hooked_env(crash_after={"checkpoint": 1}),
+    )
+    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    assert latest_checkpoint(out) is not None
+    with Manifest.open(mdir, readonly=True) as m:
+        c = m.counts()
+        assert c["released"] == c["kept"] == 0 and c["consumed"] > 0  # nothing released: the old rule passed
+    r = run(["train", "--manifest", mdir, "--store", store, "--out", tmp_path / "other"])
+    assert r.returncode == 1 and not tracebacks(r.stderr), r.stderr
+    assert f"is being trained by the run in {out}" in r.stderr and f"--out {out}" in r.stderr, r.stderr
+    assert latest_checkpoint(tmp_path / "other") is None
+    r = run(["train", "--manifest", mdir, "--store", store, "--out", out])
+    assert r.returncode == 0, r.stderr[-3000:]
     assert_exactly_once(mdir, out)
     assert_all_released_and_clean(mdir, store, out)

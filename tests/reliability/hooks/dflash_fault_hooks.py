@@ -30,6 +30,9 @@ Keys (all optional):
   ``r`` (``$RANK``; 0 outside a group) removes it (with ``keep``: leaves it, so every forward
   fails) and raises ``torch.OutOfMemoryError`` or ``RuntimeError``: a failed forward, on one rank,
   before its collectives (as the leader's allocation of the full tap buffer would fail).
+* ``slow_remove_s``: seconds. Each batch of shard files deleted
+  (``dflash_staged.store.cleanup._remove``, the trainer's background remover) waits that long
+  first: a slow disk freeing large files.
 * ``die_holding_status_lock``: true. Extract worker 0 takes its status queue's write lock and
   SIGKILLs itself before working (a worker killed halfway through a report); every other worker
   sends one more report as it ends.
@@ -253,6 +256,16 @@ def _patch_extract_worker(mod) -> None:
     mod.worker_main = worker_main
 
 
+def _patch_cleanup(mod) -> None:
+    real = mod._remove
+
+    def _remove(paths):
+        time.sleep(float(CFG["slow_remove_s"]))
+        real(paths)
+
+    mod._remove = _remove
+
+
 def _crashes() -> bool:
     return bool(CFG.get("crash") or CFG.get("crash_after"))
 
@@ -266,6 +279,7 @@ _PATCHES = {
         lambda: _crashes() or "checkpoint_enospc_flag" in CFG,
     ),
     "dflash_staged.fsutil": (_patch_fsutil, _crashes),
+    "dflash_staged.store.cleanup": (_patch_cleanup, lambda: "slow_remove_s" in CFG),
     "dflash_staged.manifest.sqlite": (_patch_manifest, _crashes),
     "dflash_staged.manifest.postgres": (_patch_manifest_pg, _crashes),
     "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
