@@ -23,8 +23,11 @@ Contract of :func:`choose_split` (``dflash node --split auto`` measures the rate
   ranks consume less than one extract worker supplies, and the chosen split is not balanced. That
   side is the bottleneck at every split: the choice is then the split giving it the most devices,
   and :meth:`Split.lines` says so.
+* **Admissible.** ``rule(g, r)``, when given, refuses splits (returning the reason): ``--split
+  auto`` passes the window rule (:mod:`dflash_staged.manifest.window`), so a split whose trainer
+  ranks the window cannot serve is never chosen, only for the real extract to refuse it later.
 * **Errors.** :class:`~dflash_staged.errors.DflashError` (one line naming the fix) when no split
-  exists (``n < tp + 1``) or a rate is not positive.
+  exists (``n < tp + 1``, or every one refused) or a rate is not positive.
 """
 
 from __future__ import annotations
@@ -108,8 +111,23 @@ class Split:
         return out
 
 
-def candidates(n: int, tp: int, extract_rate: float, train_rate: float, scaling: float = 1.0) -> list[Split]:
-    """Every split of ``n`` devices with at least one extract worker of ``tp`` and one trainer rank."""
+def refused(n: int, tp: int, rule=None) -> list[tuple[str, str]]:
+    """The splits ``rule(extract workers, train ranks)`` refuses (its reason, else None), as
+    ``("g x tp extract + r train", reason)``."""
+    out = []
+    for g in range(1, (n - 1) // tp + 1) if rule else ():
+        why = rule(g, n - g * tp)
+        if why:
+            out.append((f"{g * tp} extract + {n - g * tp} train", why))
+    return out
+
+
+def candidates(
+    n: int, tp: int, extract_rate: float, train_rate: float, scaling: float = 1.0, rule=None
+) -> list[Split]:
+    """Every split of ``n`` devices with at least one extract worker of ``tp`` and one trainer rank,
+    but those ``rule(extract workers, train ranks)`` refuses (returns a reason: say, a window too
+    small for that many trainer ranks); none left is an error naming the reason."""
     if n < tp + 1:
         raise DflashError(
             f"--split auto: {n} device(s) cannot hold one extract worker of --tp {tp} and one trainer "
@@ -120,17 +138,26 @@ def candidates(n: int, tp: int, extract_rate: float, train_rate: float, scaling:
             raise DflashError(f"--split auto: the measured {name} rate is {v!r} tok/s; it must be > 0")
     if not 0 < scaling <= 1:
         raise DflashError(f"--train-scaling {scaling!r}: give the data-parallel efficiency in (0, 1]")
-    out = []
+    out, why = [], None
     for g in range(1, (n - 1) // tp + 1):
         r = n - g * tp
+        no = rule(g, r) if rule else None
+        if no:
+            why = why or no
+            continue
         y = train_rate * r * (1.0 if r == 1 else scaling)
         out.append(Split(n, tp, g, r, g * extract_rate, y))
+    if not out:
+        raise DflashError(f"--split auto: no split of {n} device(s) works: {why}")
     return out
 
 
-def choose_split(n: int, tp: int, extract_rate: float, train_rate: float, scaling: float = 1.0) -> Split:
-    """The split of ``n`` devices with the highest pipeline throughput (the module docstring)."""
-    cands = candidates(n, tp, extract_rate, train_rate, scaling)
+def choose_split(
+    n: int, tp: int, extract_rate: float, train_rate: float, scaling: float = 1.0, rule=None
+) -> Split:
+    """The split of ``n`` devices with the highest pipeline throughput (the module docstring), among
+    the candidates ``rule`` admits."""
+    cands = candidates(n, tp, extract_rate, train_rate, scaling, rule)
     best_p = max(c.throughput for c in cands)
     best = min(
         (c for c in cands if c.throughput >= best_p * (1 - 1e-9)),

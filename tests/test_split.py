@@ -199,3 +199,96 @@ def test_split_auto_full_run_on_cpu_consumes_every_job_exactly_once(tmp_path):
     trained = sorted(j for x in lines for j in x["jobs"])
     assert trained == sorted(j.id for j in m.jobs())  # every job, the probe's included, exactly once
     assert "[launch] starting extract" in r.stdout and "[launch] summary: exit 0" in r.stdout
+
+
+# ------------------------------------------------------------------------- the probe's edges (issue 33)
+def test_splits_the_window_cannot_serve_are_no_candidates():
+    rule = lambda g, r: f"--window 6 < 4 x {r} trainer rank(s)" if 4 * r > 6 else None  # noqa: E731
+    s = choose_split(3, 1, 10_000, 1_000, rule=rule)  # the rates alone would choose 1 + 2
+    assert (s.extract_devices, s.train_ranks) == (2, 1)
+    assert choose_split(3, 1, 10_000, 1_000).train_ranks == 2
+    with pytest.raises(DflashError, match=r"no split of 2 device\(s\) works: --window 6 < 4 x 1"):
+        choose_split(2, 1, 1_000, 5_000, rule=lambda g, r: "--window 6 < 4 x 1 trainer rank(s)")
+
+
+def test_written_by_counts_only_the_given_workers_jobs(tmp_path):
+    import os
+
+    from dflash_staged.manifest import Manifest
+    from dflash_staged.procs import HOST
+
+    from helpers import plan
+
+    mdir = plan(tmp_path, n=12, extra="[data]\ntoken_budget = 512\n")
+    with Manifest.open(mdir) as m:
+        r = m.claim("w0", window=8)
+        assert m.publish(r.job, 100, "xxh3_64:0")
+        m.claim("w0", window=8)  # claimed, not written: not counted
+        assert m.written_by(HOST, [os.getpid()]) == (1, r.job.real_tokens)
+        assert m.written_by(HOST, [os.getpid() + 1]) == (0, 0)
+        assert m.written_by("another-host", [os.getpid()]) == (0, 0)
+        assert m.written_by(HOST, []) == (0, 0)
+
+
+def test_split_auto_on_a_full_window_is_refused_at_once(tmp_path):
+    """A first run whose trainer stopped before releasing anything left extract's window full: the
+    probe used to wait for a first job for an hour; now it refuses at once, naming the remedy."""
+    import signal
+    import time
+
+    from helpers import cli, start, write_dataset
+
+    data = write_dataset(tmp_path / "d.jsonl", n=60)
+    w = tmp_path / "w"
+    code, out = cli(
+        "plan", "--config", ROOT / "configs/tiny.toml", "--data", data, "--manifest", w / "manifest"
+    )
+    assert code == 0, out
+    ex = start(
+        ["extract", "--manifest", w / "manifest", "--store", w / "store", "--devices", "cpu", "--window", 4],
+        tmp_path / "extract.log",
+    )
+    from dflash_staged.manifest import Manifest
+
+    with Manifest.open(w / "manifest", readonly=True) as m:
+        deadline = time.time() + 120
+        while m.counts()["written"] < 4 and time.time() < deadline and ex.poll() is None:
+            time.sleep(0.1)
+        ex.send_signal(signal.SIGTERM)
+        ex.wait(60)
+        assert m.window()["shards"] == 4, m.counts()
+    t0 = time.time()
+    r = _run_node(tmp_path, data, "--devices", "cpu,cpu", "--window", "4", "--probe-jobs", "3", timeout=120)
+    took = time.time() - t0
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "extract's window is full (4 of 4 shards" in r.stderr and "dflash train --manifest" in r.stderr
+    assert "[probe extract]" not in r.stdout and took < 60, (took, r.stdout)
+
+
+def test_the_train_probe_skips_a_damaged_shard(tmp_path):
+    from dflash_staged.manifest import Manifest
+
+    from helpers import plan, run
+
+    mdir = plan(tmp_path, n=24, extra="[data]\ntoken_budget = 512\n")
+    r = run(["extract", "--manifest", mdir, "--store", tmp_path / "store", "--devices", "cpu"])
+    assert r.returncode == 0, r.stderr
+    with Manifest.open(mdir, readonly=True) as m:
+        first = sorted(m.jobs("written"), key=lambda j: (j.epoch, j.pos))[0]
+    chunk = next((tmp_path / "store" / "shards" / f"e{first.epoch}" / f"j{first.id}" / "hidden").glob("c*"))
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])  # cut short, as a crash would
+    from helpers import env
+
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash_staged.launch.probe_train", "--manifest", str(mdir)]
+        + ["--store", str(tmp_path / "store"), "--device", "cpu", "--shards", "2"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"skipping shard e{first.epoch}/j{first.id}:" in p.stdout
+    result = json.loads(p.stdout.splitlines()[-1].split(" ", 1)[1])
+    assert result["shards"] == 2

@@ -7,7 +7,9 @@
   across jobs of varied shapes) unless ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` is
   set. On a CPU: nothing.
 * :func:`batch_tensors` reads a job's samples; :func:`job_forward` runs its early-stopped forward
-  and drops the padding.
+  and drops the padding; :func:`nonfinite_layers` screens its states: a job with an inf or a NaN
+  is not published, but retried once and then failed (:func:`nonfinite_error` names the job, its
+  samples and the layers).
 * :func:`describe_failure`: the error text a failed forward records on its job. Out of GPU memory
   frees the allocator's cache and names the setting to lower (``data.token_budget``: padded tokens
   per job); the worker also prints it at once. The job goes back to pending and counts an attempt
@@ -90,6 +92,29 @@ def job_forward(target, ids: torch.Tensor, attn: torch.Tensor, lengths: list[int
     from dflash_staged.model.target import pack_unpadded
 
     return pack_unpadded(target.capture(ids, attn), lengths)
+
+
+NONFINITE_ATTEMPTS = 2  # a job whose states are not finite is retried once, then failed
+
+
+def nonfinite_layers(hidden: torch.Tensor, layer_ids: list[int]) -> list[int]:
+    """The target layers (``layer_ids[k]`` for ``hidden[:, k]``, ``hidden`` ``[T, K, H]``) whose states
+    hold an inf or a NaN: such a shard is never published (a drafter's loss would turn NaN steps later,
+    far from the cause)."""
+    if hidden.numel() == 0:
+        return []
+    ok = torch.isfinite(hidden).all(dim=2).all(dim=0).tolist()  # [K]: one host sync per job
+    return [layer_ids[k] if k < len(layer_ids) else k for k, good in enumerate(ok) if not good]
+
+
+def nonfinite_error(job, layers: list[int], dtype) -> str:
+    """The error a job with non-finite states records (one line: the job, its samples, the layers)."""
+    ids = ", ".join(map(str, job.sample_ids[:8])) + (" ..." if len(job.sample_ids) > 8 else "")
+    return (
+        f"non-finite hidden states (inf or NaN) from target layer(s) {layers} of job {job.id} (samples "
+        f"{ids}; {job.real_tokens} tokens, {dtype}): not published; an overflow in the target's forward "
+        "(a long context in bf16/fp16, a damaged checkpoint). Check the samples, or try [target] dtype"
+    )
 
 
 def counts_attempt(e: BaseException) -> bool:

@@ -17,7 +17,8 @@ Each worker loops (see :mod:`dflash_staged.extract.supervisor` for the process m
 
 At most two shards per worker are in host memory (one being written, one waiting); the loop
 drops its own reference to a job's hidden states before the next forward. Errors return the job
-to pending (``failed`` after ``extract.max_attempts`` errors); out of memory also frees the cache
+to pending (``failed`` after ``extract.max_attempts`` errors; states that are not finite are never
+published, and fail the job at its second such attempt); out of memory also frees the cache
 and names the setting to lower (:mod:`dflash_staged.extract.forward`); a full disk gives the job
 back and stops the worker with :data:`EXIT_DISK_FULL`.
 
@@ -43,6 +44,7 @@ from dflash_staged.config import Config
 from dflash_staged.dtypes import dtype_name
 from dflash_staged.errors import DflashError
 from dflash_staged.extract.forward import (
+    NONFINITE_ATTEMPTS,
     RankFailed,
     batch_tensors,
     bind_device,
@@ -50,6 +52,8 @@ from dflash_staged.extract.forward import (
     describe_failure,
     exit_at_once,
     job_forward,
+    nonfinite_error,
+    nonfinite_layers,
 )
 from dflash_staged.extract.group import Group, GroupBroken, follow
 from dflash_staged.extract.messages import JobError, Stopwatch, WorkerError
@@ -238,7 +242,7 @@ def _loop(
         watch.kind = "busy_s"
         job = r.job
         lease.hold(job)
-        error, in_forward, counted = None, False, True
+        error, in_forward, counted, attempts = None, False, True, opts.max_attempts
         try:
             ids, attn, lengths, packed_ids, loss_mask, cu, sample_ids = batch_tensors(m, job)
         except Exception as e:  # noqa: BLE001 - the job goes back to pending / failed
@@ -253,13 +257,17 @@ def _loop(
                     print(f"extract: worker {rank}: job {job.id}: {error}", file=sys.stderr, flush=True)
             else:
                 group.all_ok(True)  # the followers' forwards returned too (a broken group raises)
+                bad = nonfinite_layers(hidden, list(target.layer_ids))
+                if bad:
+                    error, attempts = nonfinite_error(job, bad, target.dtype), NONFINITE_ATTEMPTS
+                    hidden = None
         if error is not None:
             lease.drop(job)
             try:
                 if group.size > 1 and not counted:  # maybe another rank's death (extract.forward)
                     m.give_back(job, f"the tensor-parallel forward failed: {error}"[:2000])
                 else:
-                    state = m.fail(job, error, opts.max_attempts)
+                    state = m.fail(job, error, min(attempts, opts.max_attempts))
                     status_q.put(JobError(rank, job.id, error, state))
             finally:
                 if in_forward and group.size > 1:  # no other collective may follow (extract.forward)

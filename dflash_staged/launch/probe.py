@@ -12,17 +12,21 @@ Contract of :func:`auto_node_layout`, in order:
    (the node's first device, or its first ``--tp`` group; output prefixed ``[probe extract]``),
    stopped with SIGTERM (its worker finishes its job or gives the claim back) once it has written
    ``probe_jobs`` jobs (at most the jobs left and the window), or :data:`MEASURE_S` after its first,
-   or when no job came for a while (a full window). The rate is the real tokens of the jobs
-   published after the first, over the time from the first's publication to the last's (the first
-   job pays the target's load and warm-up), seen by reading the manifest every :data:`POLL_S`. At
-   least two jobs must be left to extract. **These jobs are real jobs of
-   the run**: they stay ``written`` and the run's trainer consumes them like any other, so every
-   job is still extracted once and consumed once; nothing is discarded.
+   or when no job came for a while (a stall: no job while the window is full). The rate is the real
+   tokens of the jobs its own workers published after the first (another extract may share the
+   manifest), over the time from the first's publication to the last's (the first job pays the
+   target's load and warm-up), seen by reading the manifest every :data:`POLL_S`. At least two jobs
+   must be left to extract, and the window must have room for two: a full window (a previous run's
+   trainer stopped before releasing its shards) is refused at once, naming the remedy. **These jobs
+   are real jobs of the run**: they stay ``written`` and the run's trainer consumes them like any
+   other, so every job is still extracted once and consumed once; nothing is discarded.
 4. **Train rate.** One trainer rank (:mod:`dflash_staged.launch.probe_train`, on the node's last
    device; output prefixed ``[probe train]``) times optimizer steps on those shards at the run's
    config (``--set`` overrides among the train arguments apply), reading them without taking or
-   consuming them.
-5. **Choice** (:func:`dflash_staged.split.choose_split`, with ``--train-scaling``): printed
+   consuming them (a damaged one is skipped and named: the run's trainer has it re-extracted).
+5. **Choice** (:func:`dflash_staged.split.choose_split`, with ``--train-scaling``; splits whose
+   trainer ranks the window cannot serve (:mod:`dflash_staged.manifest.window`) are no candidates,
+   and are named): printed
    as ``[split]`` lines: the measured rates, every candidate's throughput, the chosen split, the
    expected throughput and idle shares, and a side too slow at every split. The layout is the
    node layout of that split (extract takes the first devices, train the rest) and, unless
@@ -159,9 +163,27 @@ def _run_plan(p: _Probes, cmd: list[str]) -> None:
         raise DflashError(f"--split auto: the plan failed (exit {c.exit_code()}); see its [plan] lines")
 
 
+def window_room(m, o: dict) -> tuple[int, str]:
+    """How many more jobs extract's window admits now (shards, and bytes at the largest pending job's
+    size once the bytes per token are known), and the window's use in words."""
+    from dflash_staged.manifest.status import human_bytes
+
+    window, wb, used = o["window"] or m.config.extract.window, o["window_bytes"] or 0, m.window()
+    room = window - used["shards"]
+    words = f"{used['shards']} of {window} shards"
+    bpt = int(m.meta.get("bytes_per_token") or 0)
+    if wb:
+        words += f", {human_bytes(used['bytes'])} of {human_bytes(wb)}"
+        biggest = max((j.real_tokens for j in m.jobs("pending")), default=0) * bpt
+        if biggest:
+            room = min(room, max(0, wb - used["bytes"]) // biggest)
+    return room, words
+
+
 def measure_extract(p: _Probes, manifest, store: Path, dev: NodeDevices, o: dict, jobs: int) -> dict:
     """Step 3 of the module docstring: {'tok_s', 'jobs', 'tokens', 'seconds', 'load_s'}."""
     from dflash_staged.manifest import Manifest
+    from dflash_staged.procs import HOST, descendants
 
     tp = o["tp"]
     group = dev.ids[:tp]
@@ -178,44 +200,57 @@ def measure_extract(p: _Probes, manifest, store: Path, dev: NodeDevices, o: dict
     cmd += ["--window-bytes", str(o["window_bytes"])] if o["window_bytes"] is not None else []
     cmd += ["--allow-slow-kernels"] if o["allow_slow_kernels"] else []
     with Manifest.open(manifest, readonly=True) as m:
-        g = m.progress()
-        left = g["jobs"]["to_extract"]
+        left = m.progress()["jobs"]["to_extract"]
         if left < 2:
             raise DflashError(
                 f"--split auto: {left} job(s) left to extract in {m.address}: too few to measure extract; "
                 "give --extract-gpus and --train-gpus"
             )
-        want = min(jobs, left, o["window"] or m.config.extract.window)
-        base_jobs, base_tokens = g["jobs"]["extracted"], g["tokens"]["extracted"]
+        room, used = window_room(m, o)
+        if room < 2:
+            raise DflashError(
+                f"--split auto: extract's window is full ({used} claimed, written or consumed but not "
+                "released: a previous run's trainer stopped before releasing them, or another extract "
+                "holds them) and the extract probe needs room for two jobs. Resume that run's trainer "
+                f"(dflash train --manifest {m.address} --store {store} --out <its run>) to drain them, or "
+                "give --extract-gpus and --train-gpus; a larger --window also makes room"
+            )
+        want = min(jobs, left, room)
         c = p.start("probe extract", cmd, env)
+        pids: set[int] = set()  # the probe's own workers: only their jobs count (others may share m)
         marks: list[tuple[float, int, int]] = []  # (when, jobs, tokens) each time more jobs are seen written
         t0 = time.monotonic()
         while True:
             time.sleep(POLL_S)
             p.check_signals()
-            g, now = m.progress(), time.monotonic()
-            n = g["jobs"]["extracted"] - base_jobs
+            pids.update(descendants(c.pid))
+            (n, tokens), now = m.written_by(HOST, pids), time.monotonic()
             if n > (marks[-1][1] if marks else 0):
-                marks.append((now, n, g["tokens"]["extracted"] - base_tokens))
+                marks.append((now, n, tokens))
             if (n >= want and len(marks) >= 2) or not c.alive():
                 break
             if (marks and now - marks[0][0] > MEASURE_S) or (not marks and now - t0 > FIRST_JOB_S):
                 break
+            quiet = now - (marks[-1][0] if marks else t0)
             if len(marks) >= 2:
                 interval = (marks[-1][0] - marks[0][0]) / (len(marks) - 1)
-                if now - marks[-1][0] > max(STALL_S, 4 * interval):
+                if quiet > max(STALL_S, 4 * interval):
                     break
+            if quiet > STALL_S and window_room(m, o)[0] <= 0:
+                break  # no job while the window is full: a stall, not a slow target
     p.finish()
     with Manifest.open(manifest, readonly=True) as m:  # with the job its worker finished once stopped
-        written = m.progress()["jobs"]["extracted"] - base_jobs
+        written = m.written_by(HOST, pids)[0]
+        room, used = window_room(m, o)
     if len(marks) < 2:
         why = (
             f"exited with code {c.exit_code()}"
             if not c.stopped
             else f"stopped after {time.monotonic() - t0:.0f} s"
         )
+        full = f"; extract's window is full ({used})" if room <= 0 else ""
         raise DflashError(
-            f"--split auto: the extract probe {why} having written {written} job(s); it needs two to "
+            f"--split auto: the extract probe {why} having written {written} job(s){full}; it needs two to "
             "measure (see its [probe extract] lines)"
         )
     if c.failed:
@@ -272,6 +307,22 @@ def _sets(train_args) -> list[str]:
     return out
 
 
+def window_rule(manifest, o: dict):
+    """``(extract workers, train ranks) -> the window rule's error or None`` for this run's window
+    (:mod:`dflash_staged.manifest.window`): a split the real extract and train would refuse is no
+    candidate."""
+    from dflash_staged.manifest import Manifest
+    from dflash_staged.manifest.window import window_check
+
+    with Manifest.open(manifest, readonly=True) as m:
+        cfg, bpt = m.config, int(m.meta.get("bytes_per_token") or 0)
+        window, wb = o["window"] or cfg.extract.window, o["window_bytes"] or 0
+        largest = max((j.real_tokens for j in m.jobs()), default=0) * bpt if wb else 0
+    return lambda workers, ranks: window_check(
+        cfg, window, workers, ranks, window_bytes=wb, shard_bytes_max=largest
+    )[0]
+
+
 def auto_node_layout(o: dict, devices: str | None, probe_jobs: int, scaling: float) -> Layout:
     """The module docstring; ``o`` holds ``dflash node``'s other options by name."""
     from dflash_staged.train.checkpoint import latest_checkpoint
@@ -309,9 +360,12 @@ def auto_node_layout(o: dict, devices: str | None, probe_jobs: int, scaling: flo
         f"the probe's {ex['jobs']} job(s) are jobs of the run: they stay written and the trainer "
         "consumes them"
     )
-    cands = splitting.candidates(n, tp, ex["tok_s"], tr["tok_s"], scaling)
+    rule = window_rule(manifest, o)
+    cands = splitting.candidates(n, tp, ex["tok_s"], tr["tok_s"], scaling, rule)
     p.say("tok/s by split (extract + train devices): " + splitting.table(cands))
-    chosen = splitting.choose_split(n, tp, ex["tok_s"], tr["tok_s"], scaling)
+    for c, why in splitting.refused(n, tp, rule):
+        p.say(f"not {c}: {why}")
+    chosen = splitting.choose_split(n, tp, ex["tok_s"], tr["tok_s"], scaling, rule)
     for line in chosen.lines():
         p.say(line)
     e = chosen.extract_devices

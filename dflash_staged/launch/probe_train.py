@@ -2,7 +2,8 @@
 ``python -m dflash_staged.launch.probe_train`` (a child of the launcher, on one device).
 
 It builds the drafter from the manifest's config (with the run's ``--set`` overrides) as
-``dflash train`` does, reads up to ``--shards`` written shards (verified) read-only, and takes
+``dflash train`` does, reads up to ``--shards`` written shards (verified; a damaged one is skipped and
+named: the run's trainer sends it back to extract) read-only, and takes
 optimizer steps through the training loop's own code (:func:`~dflash_staged.train.loop.shard_microbatches`,
 :func:`~dflash_staged.train.loop.forward_backward`, the optimizer step): ``train.grad_accum``
 shards a step, at the config's ``num_anchors``, ``microbatch_tokens``, block size and attention.
@@ -31,7 +32,7 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
     from dflash_staged.config.overrides import parse_sets
     from dflash_staged.errors import DflashError
     from dflash_staged.manifest import Manifest
-    from dflash_staged.store import ShardStore
+    from dflash_staged.store import ShardError, ShardStore
     from dflash_staged.train import inputs
     from dflash_staged.train.buffer import pinned
     from dflash_staged.train.distributed import Dist
@@ -44,11 +45,18 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
     with Manifest.open(manifest, readonly=True) as m:
         opts = TrainOptions(manifest=manifest, store=store_dir, out=None, overrides=parse_sets(sets))
         cfg = inputs.run_config(m, opts)
-        jobs = sorted(m.jobs("written"), key=lambda j: (j.epoch, j.pos))[:shards]
         store = ShardStore.open(store_dir, expect={"manifest_id": m.manifest_id})
-    if not jobs:
-        raise DflashError(f"{manifest}: no written shard to time a trainer rank on")
-    data = [store.read_shard(j.epoch, j.id, j.checksum, True) for j in jobs]
+        candidates = sorted(m.jobs("written"), key=lambda j: (j.epoch, j.pos))
+    data = []
+    for j in candidates:  # the first ``shards`` that read whole: a damaged one is the run's to re-extract
+        if len(data) >= shards:
+            break
+        try:
+            data.append(store.read_shard(j.epoch, j.id, j.checksum, True))
+        except ShardError as e:
+            print(f"skipping shard e{j.epoch}/j{j.id}: {e} (the run's trainer re-extracts it)", flush=True)
+    if not data:
+        raise DflashError(f"{manifest}: no written shard reads whole to time a trainer rank on")
     if dev.type == "cuda":
         data = [pinned(s) for s in data]
     model = DrafterModel(build_drafter(cfg, store, dev), cfg.train, dev, 0)

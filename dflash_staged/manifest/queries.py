@@ -36,6 +36,19 @@ class SharedQueries:
         """Real tokens per state (zeros included)."""
         return self._by_state("SUM(real_tokens)")
 
+    def written_by(self, host: str, pids) -> tuple[int, int]:
+        """(jobs, real tokens) extracted (written, consumed, released or kept) by these worker
+        processes of ``host``: what one extract run published, whoever else shares the manifest."""
+        pids = sorted({int(p) for p in pids})
+        if not pids:
+            return 0, 0
+        h, listed = host.replace("'", "''"), ",".join(map(str, pids))
+        rows = self._query(
+            "SELECT COUNT(*) AS n, SUM(real_tokens) AS t FROM jobs WHERE state IN "
+            f"('written', 'consumed', 'released', 'kept') AND host = '{h}' AND pid IN ({listed})"
+        )
+        return int(rows[0]["n"] or 0), int(rows[0]["t"] or 0)
+
     def extract_done(self) -> bool:
         """No job is pending or claimed."""
         return group_counts(self.counts())["to_extract"] == 0

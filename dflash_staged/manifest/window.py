@@ -11,10 +11,11 @@ ranks x the largest shard``). Why that bound suffices: a trainer rank waits only
 buffer is not full (it waits for ``train.min_ready`` shards, or for a second length bucket when
 a step takes several jobs), and it never waits on a full window holding consumed, unreleased
 shards (it checkpoints and releases them as soon as it sees the window full, and after a few
-seconds of waiting in any case). So while every rank waits on a full window, the window holds
-claims in flight and fewer than ``capacity x ranks`` written shards; claims always publish, so
-room for one more claim appears, and extraction goes on until some buffer fills or nothing is
-left to extract.
+seconds of waiting in any case; a released batch leaves the window once its files are deleted, so
+the store's bytes never exceed what the window counts). So while every rank waits on a full
+window, the window holds claims in flight and fewer than ``capacity x ranks`` written shards;
+claims always publish, so room for one more claim appears, and extraction goes on until some
+buffer fills or nothing is left to extract.
 Below that bound every shard in the window can be of one length bucket, or sit in one rank's
 buffer, and both sides wait forever.
 

@@ -3,8 +3,9 @@
 Each step: gather this step's shards (:mod:`dflash_staged.train.draw`: the drawing and waiting
 policy, the same for one rank and many), forward/backward every microbatch (each
 backpropagates its weighted loss sum), sum the gradients over ranks and divide them by the
-step's total loss weight over all ranks, take the optimizer step, record the shards as consumed, log, and
-every
+step's total loss weight over all ranks, take the optimizer step (not applied when the gradient is
+not finite: the step is logged as ``skipped``, and :data:`NONFINITE_STOP` such steps in a row stop
+the run with one line), record the shards as consumed, log, and every
 ``train.checkpoint_every`` steps checkpoint and release. The rank's seconds busy and waiting for
 data are published with its registration (:class:`BusyIdle`, :mod:`dflash_staged.manifest.balance`).
 The consumption, release and resume rules are :mod:`dflash_staged.train.ledger`'s; the components come from
@@ -24,6 +25,8 @@ from dflash_staged.train.draw import StepData, gather_step
 from dflash_staged.train.ledger import Consumed, token_digest
 from dflash_staged.train.objective import anchor_counts, per_offset_accuracy, selector_metrics, training_tau
 from dflash_staged.train.trainer import Trainer
+
+NONFINITE_STOP = 8  # steps in a row whose loss or gradient is not finite (each skipped) stop the run
 
 
 def microbatches(shard, max_tokens: int, max_rows: int = 0, rows: list[int] | None = None) -> list[dict]:
@@ -173,7 +176,7 @@ def consumed_item(job, rank: int, shard) -> Consumed:
 def train_loop(t: Trainer) -> int:
     """The training loop; returns the exit code."""
     cfg, dist = t.cfg, t.dist
-    stop, idle = StopRequested(), BusyIdle(t)
+    stop, idle, nonfinite = StopRequested(), BusyIdle(t), 0
     while not (t.opts.max_steps and t.step >= t.opts.max_steps):
         # ---- data: this step's shards (may wait, all ranks together; never holding unreleased shards) --
         # Between collectives, branch only on values every rank agreed on: a stop signal may reach
@@ -195,7 +198,8 @@ def train_loop(t: Trainer) -> int:
 
         # ---- optimizer step (gradients summed over ranks / the step's total loss weight), consume ----
         lr = t.optim.lr(t.step, t.total_steps)
-        t.optim.step(lr, stats["weight_sum"])
+        applied = t.optim.step(lr, stats["weight_sum"])  # agreed on every rank (all-reduced gradients)
+        nonfinite = 0 if applied else nonfinite + 1
         t.step += 1
         mine = [consumed_item(job, dist.rank, shard) for job, shard in local]
         jobs: list[Consumed] = dist.gather_jobs(mine)
@@ -205,7 +209,16 @@ def train_loop(t: Trainer) -> int:
 
         # ---- log --------------------------------------------------------------------------------
         line = metrics_line(t, jobs, stats, lr, data, step_s)
+        if not applied:
+            line.update(loss=None, skipped="non-finite loss or gradient: update not applied")
         t.metrics.write(line)
+        if nonfinite >= NONFINITE_STOP:
+            raise DflashError(
+                f"train: the loss or its gradient was not finite for {nonfinite} steps in a row (steps "
+                f"{t.step - nonfinite + 1}-{t.step}; none was applied): the drafter diverged, or its inputs "
+                f"hold extreme values. Lower train.lr, check the data, or resume from the last checkpoint "
+                f"in {t.opts.out}"
+            )
         t.progress.step(
             t.step, line["loss"], line["tokens"] / max(step_s, 1e-9), len(t.buffer), t.buffer.capacity
         )

@@ -59,16 +59,23 @@ class Optimizer:
         if total:
             torch._foreach_mul_([p.grad for p in params], 1.0 / total[0][0].clamp_min(1e-6))
 
-    def step(self, lr: float, weight_sum: torch.Tensor | None = None) -> None:
-        """:meth:`reduce_gradients`, clip, apply at ``lr``, zero the gradients."""
+    def step(self, lr: float, weight_sum: torch.Tensor | None = None) -> bool:
+        """:meth:`reduce_gradients`, clip, apply at ``lr``, zero the gradients. A gradient that is not
+        finite (an inf or a NaN anywhere: a non-finite loss) is not applied; returns whether it was.
+        The gradients are all-reduced first, so every rank decides alike (no collective of its own);
+        one host sync per step."""
         self.reduce_gradients(weight_sum)
         params = list(self.params.values())
-        if self.t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.t.grad_clip)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            if self.t.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, self.t.grad_clip, norm)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        return finite
 
     # -- checkpoint (train.checkpoint.Stateful) ------------------------------------------------------
     def state_dict(self) -> dict:

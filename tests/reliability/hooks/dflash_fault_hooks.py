@@ -12,8 +12,9 @@ Keys (all optional):
 * ``checkpoint_enospc_flag``: path. While that file exists, a checkpoint's trainer state
   (``dflash_staged.train.checkpoint.save_file``) fails the way safetensors reports a full disk,
   after writing part of the file.
-* ``fake_target``: ``{"hidden": H, "delay_s": s}``. ``load_target`` returns a fast fake whose
-  tapped state k of token t at channel h is ``t * (k + 1) + h / 2`` (float32).
+* ``fake_target``: ``{"hidden": H, "delay_s": s, "inf_token": id}``. ``load_target`` returns a fast
+  fake whose tapped state k of token t at channel h is ``t * (k + 1) + h / 2`` (float32); with
+  ``inf_token``, the last tapped layer holds inf at every token of that id (an overflow).
 * ``commit_log``: path. Every shard published (``ShardStore.commit_staged``) appends
   ``"<job_id> <pid>"`` to it.
 * ``crash``: ``{point: probability}`` and ``seed``. At each named point this process SIGKILLs
@@ -174,7 +175,7 @@ def _patch_manifest_build(mod) -> None:
 
 
 class FakeTarget:
-    def __init__(self, layer_ids, hidden: int, delay_s: float):
+    def __init__(self, layer_ids, hidden: int, delay_s: float, inf_token=None):
         import torch
 
         self.torch = torch
@@ -185,6 +186,7 @@ class FakeTarget:
         self.device = torch.device("cpu")
         self.target_id = "fake-target"
         self.delay_s = delay_s
+        self.inf_token = inf_token
 
     def capture(self, input_ids, attention_mask=None, keep=True):
         torch = self.torch
@@ -195,7 +197,10 @@ class FakeTarget:
         B, L = input_ids.shape
         k = torch.arange(len(self.layer_ids), dtype=torch.float32).view(1, 1, -1, 1)
         h = torch.arange(self.hidden_size, dtype=torch.float32).view(1, 1, 1, -1)
-        return input_ids.float().view(B, L, 1, 1) * (k + 1) + h / 2
+        out = input_ids.float().view(B, L, 1, 1) * (k + 1) + h / 2
+        if self.inf_token is not None:
+            out[:, :, -1][input_ids == int(self.inf_token)] = float("inf")
+        return out
 
 
 def _patch_target_taps(mod) -> None:
@@ -226,7 +231,12 @@ def _patch_target(mod) -> None:
     fake = CFG["fake_target"]
 
     def load_target(cfg, device="cpu", *, layer_ids=None, num_draft_layers=1, tp=1):
-        return FakeTarget(layer_ids or [1], int(fake.get("hidden", 8)), float(fake.get("delay_s", 0.0)))
+        return FakeTarget(
+            layer_ids or [1],
+            int(fake.get("hidden", 8)),
+            float(fake.get("delay_s", 0.0)),
+            fake.get("inf_token"),
+        )
 
     mod.load_target = load_target
 
