@@ -11,9 +11,9 @@ from safetensors import safe_open
 from dflash_staged.model.config_json import DraftModelConfig
 from dflash_staged.model.dflash2 import GroupedConv
 from dflash_staged.model.weights import load_drafter, save_drafter
-from dflash_staged.train.head import head_rows, top_values
 from dflash_staged.train.objective import dflash_loss, dpace_weights
-from dflash_staged.train.selector_loss import alpha_at
+from dflash_staged.train.objective.head import head_rows, top_values
+from dflash_staged.train.objective.selector import alpha_at
 
 from helpers import make_drafter, packed_batch
 
@@ -129,7 +129,7 @@ def test_chunked_head_and_top_values_match_full_logits(softcap):
     w = torch.rand(13, generator=g)
     c = torch.randn(13, 4, generator=g)
     rows = head_rows(h, W, y, chunk=5, multiplier=0.7, softcap=softcap, top_k=4)
-    ((w * rows.ce).sum() + (c * top_values(h, W, rows, chunk=6)).sum()).backward()
+    ((w * rows.loss).sum() + (c * top_values(h, W, rows, chunk=6)).sum()).backward()
     mine = h.grad.clone()
     h.grad = None
     raw = (h @ W.t()) * 0.7
@@ -137,7 +137,7 @@ def test_chunked_head_and_top_values_match_full_logits(softcap):
     ce = torch.nn.functional.cross_entropy(u, y, reduction="none")
     vals, ids = u.topk(4, -1)
     assert torch.equal(ids, rows.top_ids)
-    torch.testing.assert_close(rows.ce, ce.detach())
+    torch.testing.assert_close(rows.loss, ce.detach())
     ((w * ce).sum() + (c * vals).sum()).backward()
     torch.testing.assert_close(mine, h.grad, atol=1e-5, rtol=1e-4)
 

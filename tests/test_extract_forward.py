@@ -83,6 +83,9 @@ class Watched:
             raise e
         return self.target.capture(ids, attn, keep)
 
+    def __getattr__(self, name):  # the rest is the target's (layer_ids, dtype, ...)
+        return getattr(self.target, name)
+
 
 class HostCopy:
     """What the CUDA publisher leaves the loop: the writer keeps a host copy, not the loop's tensor."""

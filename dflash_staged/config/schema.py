@@ -15,16 +15,10 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dflash_staged.errors import DflashError
+from dflash_staged.config.checks import ConfigError, _check
+from dflash_staged.config.train_section import ATTENTION_CHOICES, LOSS_TERMS, TARGET_TERMS, TrainConfig
 
-
-class ConfigError(DflashError, ValueError):
-    """A config file or value is invalid. The message names file, key and the fix."""
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+__all__ = ["ATTENTION_CHOICES", "LOSS_TERMS", "TARGET_TERMS", "ConfigError", "TrainConfig"]
 
 
 def dflash_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -50,6 +44,10 @@ class TargetConfig:
     # Run on the slow PyTorch reference path when the target's fast kernels are missing (else refuse).
     allow_slow_kernels: bool = False
     seed: int = 0  # weights seed of a tiny:* target (ignored for a real model)
+    # Also store the target's last decoder layer (its output before the final norm) for every token,
+    # beside the taps: the trainer recomputes the target's logits from it (train.loss terms other than
+    # ce). Costs one more hidden vector a token on disk (store/shard_store.py).
+    store_last_layer: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -129,9 +127,6 @@ class DataConfig:
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)  # drafter layer kinds, spelled as in the reference config.json
-
-
-ATTENTION_CHOICES = ("auto", "flex", "sdpa")  # train.attention
 
 
 def check_layer_types(layer_types: list[str], num_layers: int, sliding_window, where: str) -> str | None:
@@ -238,103 +233,6 @@ class DrafterConfig:
 
 
 @dataclass
-class TrainConfig:
-    lr: float = 6e-4  # peak learning rate (AdamW)
-    warmup_ratio: float = 0.04  # share of the steps spent warming the learning rate up linearly
-    lr_schedule: str = "cosine"  # cosine (to 0) | wsd (warmup, stable, then linear decay to 0)
-    decay_ratio: float = 0.2  # wsd: share of the steps spent decaying
-    weight_decay: float = 0.0  # AdamW weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
-    grad_clip: float = 1.0  # clip the gradient norm to this; 0 = no clipping
-    grad_accum: int = 4  # shards (planned jobs) each rank takes per optimizer step
-    microbatch_tokens: int = 16384  # tokens per forward/backward: a shard is split into such microbatches
-    # Drafter rows (anchors x block size) per forward/backward, the drafter's activation memory:
-    # 0 = derived from the device's memory (train.memory; no cap on CPU).
-    microbatch_rows: int = 0
-    # Recompute each drafter layer in the backward instead of keeping its activations (less memory).
-    activation_checkpointing: bool = False
-    num_anchors: int = 512  # most draft blocks (anchors) drawn per sequence each time it is trained on
-    gamma: float = 7.0  # loss weight decay over a block: offset k weighs exp(-(k-1)/gamma)
-    noise_std: float = 0.0  # std of the Gaussian noise added to the target's features; 0 = none
-    noise_schedule: str = "constant"  # constant | linear | cosine (decay to 0 over training)
-    buffer_capacity: int = 8  # shards each rank holds read and verified ahead of its steps
-    # Shards ready before a step; with grad_accum >= 2 also from 2+ buckets (or a full buffer).
-    min_ready: int = 4
-    checkpoint_every: int = 100  # steps between checkpoints (each releases the shards it covers)
-    keep_checkpoints: int = 2  # most recent checkpoints kept on disk
-    log_every: int = 10  # host-synchronising metrics (loss, accuracy) every N steps on CUDA
-    loss_chunk: int = 4096  # positions per chunk in the LM-head + loss
-    # Attention in training: "flex" (block-sparse flex_attention, CUDA), "sdpa" (dense masks), or
-    # "auto" = flex on CUDA, sdpa elsewhere. See dflash_staged/model/flex_blocks.py.
-    attention: str = "auto"
-    # Loss weight per block offset: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE: detached weights
-    # from the drafter's own probability of each label, smoothed by dpace_alpha; see train/objective.py).
-    position_weights: str = "decay"
-    dpace_alpha: float = 0.5
-    # DFlash2 only: weight of the selector's top-k cross-entropy, 0 for the first selector_warmup_ratio
-    # of the steps, then ramped linearly over selector_ramp_ratio; with selector_stop_gradient the
-    # selector term trains only the selector (the backbone learns from the DFlash term alone).
-    selector_alpha: float = 1.0
-    selector_warmup_ratio: float = 0.0
-    selector_ramp_ratio: float = 0.0
-    selector_stop_gradient: bool = False
-    seed: int = 0  # seeds the drafter's initial weights, the anchors drawn and the order shards are drawn in
-
-    def __post_init__(self) -> None:
-        _check(self.lr > 0, f"train.lr={self.lr}: must be > 0")
-        _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio={self.warmup_ratio}: use a value in [0, 1)")
-        _check(
-            self.lr_schedule in ("cosine", "wsd"),
-            f"train.lr_schedule={self.lr_schedule!r}: use cosine or wsd",
-        )
-        _check(
-            0 < self.decay_ratio <= 1 and self.warmup_ratio + self.decay_ratio <= 1,
-            f"train.decay_ratio={self.decay_ratio}: use a value in (0, 1 - warmup_ratio]",
-        )
-        _check(
-            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-            f"train.betas={self.betas}: give two values in [0, 1)",
-        )
-        _check(self.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)")
-        _check(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum}: must be >= 1")
-        _check(self.microbatch_tokens >= 1, "train.microbatch_tokens must be >= 1")
-        _check(self.microbatch_rows >= 0, "train.microbatch_rows must be >= 0 (0 = from the device's memory)")
-        _check(self.num_anchors >= 1, f"train.num_anchors={self.num_anchors}: must be >= 1")
-        _check(self.gamma > 0, f"train.gamma={self.gamma}: must be > 0")
-        _check(self.noise_std >= 0, "train.noise_std must be >= 0")
-        _check(
-            self.noise_schedule in ("constant", "linear", "cosine"),
-            f"train.noise_schedule={self.noise_schedule!r}: use constant, linear or cosine",
-        )
-        _check(self.buffer_capacity >= 1, "train.buffer_capacity must be >= 1")
-        _check(
-            1 <= self.min_ready <= self.buffer_capacity,
-            f"train.min_ready={self.min_ready} must be between 1 and train.buffer_capacity="
-            f"{self.buffer_capacity}: lower min_ready or raise the capacity",
-        )
-        _check(self.checkpoint_every >= 1, "train.checkpoint_every must be >= 1")
-        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
-        _check(self.log_every >= 1, "train.log_every must be >= 1")
-        _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
-        _check(
-            self.position_weights in ("decay", "dpace"),
-            f"train.position_weights={self.position_weights!r}: use decay or dpace",
-        )
-        _check(0 <= self.dpace_alpha <= 1, f"train.dpace_alpha={self.dpace_alpha}: use a value in [0, 1]")
-        _check(self.selector_alpha >= 0, f"train.selector_alpha={self.selector_alpha}: must be >= 0")
-        _check(
-            0 <= self.selector_warmup_ratio
-            and 0 <= self.selector_ramp_ratio
-            and self.selector_warmup_ratio + self.selector_ramp_ratio <= 1,
-            "train.selector_warmup_ratio and selector_ramp_ratio must be >= 0 and sum to at most 1",
-        )
-        _check(
-            self.attention in ATTENTION_CHOICES,
-            f"train.attention={self.attention!r}: use one of {', '.join(ATTENTION_CHOICES)}",
-        )
-
-
-@dataclass
 class ExtractConfig:
     window: int = 64  # shards claimed, written or consumed but not released
     window_bytes: int = 0  # the same window in bytes; 0 = no byte limit
@@ -392,8 +290,11 @@ class Config:
     def plan_hash(self) -> str:
         """Hash of the settings that shape the plan and the shards (not runtime knobs)."""
         d = self.to_dict()
+        target = dict(d["target"])
+        if not target.get("store_last_layer"):  # a plan made before the setting existed keeps its hash
+            target.pop("store_last_layer", None)
         keep = {
-            "target": d["target"],
+            "target": target,
             "data": d["data"],
             "drafter": {
                 "block_size": d["drafter"]["block_size"],

@@ -114,7 +114,8 @@ def shard_bytes_max(m: Manifest, opts: ExtractOptions) -> int:
             cfg.target, dims.num_layers, cfg.drafter.num_hidden_layers
         )
         dtype = resolve_dtype(opts.dtype or cfg.target.dtype, opts.devices[0])
-        bpt = bytes_per_token(len(layers), dims.hidden_size, dtype.itemsize)
+        stored = len(layers) + (1 if cfg.target.store_last_layer else 0)  # + the last layer, when stored
+        bpt = bytes_per_token(stored, dims.hidden_size, dtype.itemsize)
     return max((j.real_tokens for j in m.jobs()), default=0) * bpt
 
 

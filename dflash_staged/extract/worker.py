@@ -178,9 +178,10 @@ def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardS
         hidden_size=target.hidden_size,
         logical_dtype=dtype_name(target.dtype),
         compression=cfg.extract.compression,
+        last_layer=target.last_layer,
     )
     store = ShardStore.create_or_open(store_root, meta)
-    bpt = bytes_per_token(len(target.layer_ids), target.hidden_size, target.dtype.itemsize)
+    bpt = bytes_per_token(len(target.stored_ids), target.hidden_size, target.dtype.itemsize)
     if m.meta.get("bytes_per_token") != bpt:
         m.set_meta("bytes_per_token", bpt)
     if m.meta.get("layer_ids") in (None, []):
@@ -257,7 +258,7 @@ def _loop(
                     print(f"extract: worker {rank}: job {job.id}: {error}", file=sys.stderr, flush=True)
             else:
                 group.all_ok(True)  # the followers' forwards returned too (a broken group raises)
-                bad = nonfinite_layers(hidden, list(target.layer_ids))
+                bad = nonfinite_layers(hidden, list(target.stored_ids))
                 if bad:
                     error, attempts = nonfinite_error(job, bad, target.dtype), NONFINITE_ATTEMPTS
                     hidden = None

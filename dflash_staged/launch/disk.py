@@ -76,7 +76,9 @@ def disk_requirements(
             layer_ids = m.meta.get("layer_ids")
             avg_tokens = m.meta["tokens_real"] / max(1, m.meta["n_batches"])
             exact = True
-    k = len(layer_ids or cfg.target.target_layer_ids) or cfg.drafter.num_hidden_layers
+    taps = len(layer_ids or cfg.target.target_layer_ids) or cfg.drafter.num_hidden_layers
+    last = 1 if cfg.target.store_last_layer else 0  # the target's last layer, stored beside the taps
+    k = taps + last
     hidden = target_hidden_size(cfg.target.model, hidden_override)
     window = window if window is not None else cfg.extract.window
     workers = n_gpus // tp
@@ -102,8 +104,8 @@ def disk_requirements(
     win = window * avg_tokens * bpt
     d.update(bytes_per_token=bpt, write_Bps=write, store_Bps=2 * write, window_bytes=win)
     lines = [
-        f"bytes per token: K={k} tapped layers x hidden {hidden} x {itemsize} B + 5 B (id, loss mask) = "
-        f"{bpt:,} B",
+        f"bytes per token: K={k} stored layers ({taps} tapped{' + the last' if last else ''}) x hidden "
+        f"{hidden} x {itemsize} B + 5 B (id, loss mask) = {bpt:,} B",
         f"disk bandwidth: {tok_s_per_worker:,.0f} tok/s per extract worker (--target-tok-s, or what "
         f"--split auto measured) x {_workers(n_gpus, tp)}"
         f" x {bpt:,} B = {_si(write)}/s written; each byte is read once by train, so the store must sustain "

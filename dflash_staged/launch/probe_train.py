@@ -39,7 +39,7 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
     from dflash_staged.train.loop import forward_backward, shard_microbatches
     from dflash_staged.train.optim import Optimizer
     from dflash_staged.train.options import TrainOptions
-    from dflash_staged.train.trained_drafter import DrafterModel, build_drafter
+    from dflash_staged.train.trained_drafter import DrafterModel, build_drafter, target_norm_for
 
     dev = inputs.pick_device(device)
     with Manifest.open(manifest, readonly=True) as m:
@@ -59,7 +59,7 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
         raise DflashError(f"{manifest}: no written shard reads whole to time a trainer rank on")
     if dev.type == "cuda":
         data = [pinned(s) for s in data]
-    model = DrafterModel(build_drafter(cfg, store, dev), cfg.train, dev, 0)
+    model = DrafterModel(build_drafter(cfg, store, dev), cfg.train, dev, 0, target_norm_for(cfg, store, dev))
     optim = Optimizer(model.params, cfg.train, Dist(dev))
     t = SimpleNamespace(cfg=cfg, model=model)
     per_step = max(1, cfg.train.grad_accum)

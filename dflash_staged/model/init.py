@@ -28,21 +28,9 @@ import re
 import torch
 
 from dflash_staged.errors import DflashError
-from dflash_staged.model.target_weights import open_target_tensors
+from dflash_staged.model.target_weights import ZERO_CENTRED_NORMS, open_target_tensors
 
 _LAYER = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.q_proj\.weight$")
-# model types whose RMSNorm computes (1 + weight) * x
-ZERO_CENTRED_NORMS = {
-    "qwen3_next",
-    "qwen3_5",
-    "qwen3_5_text",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "gemma3_text",
-}
 
 
 def _kv(w: torch.Tensor, src_heads: int, dst_heads: int, head_dim: int) -> torch.Tensor:

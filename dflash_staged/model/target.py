@@ -13,7 +13,12 @@ Contract (extract workers, the shard store, the trainer and ``dflash eval`` rely
   values that must be dropped with :func:`pack_unpadded`, which returns the real
   tokens ``[T, K, H]`` concatenated in batch order. A sample's real rows do not
   depend on what it is batched with (right padding + causal layers).
-* The forward stops right after the deepest tapped layer: later layers, the
+* With ``[target] store_last_layer``, :meth:`Target.capture` also returns the
+  output of the **last decoder layer** (before the final norm) as one more slice
+  at the end of the K axis (``Target.stored_ids`` = the taps + that layer): the
+  trainer recomputes the target's logits from it with the target's final norm and
+  head (:mod:`dflash_staged.model.target_weights`).
+* The forward stops right after the deepest stored layer: later layers, the
   final norm and the LM head never run. ``output_hidden_states`` is never used.
 * :meth:`Target.forward_with_taps` runs the full model (logits + the same taps)
   with a KV cache; :func:`crop_cache` rolls a dense cache back. Hybrid

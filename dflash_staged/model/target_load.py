@@ -165,7 +165,9 @@ def load_target(
     text = text_config(model_config)
     if layer_ids is None:
         layer_ids = resolve_layer_ids(cfg, text.num_hidden_layers, num_draft_layers)
-    target = Target(model, layer_ids, _target_id(cfg, model_config), device, model_config)
+    target = Target(
+        model, layer_ids, _target_id(cfg, model_config), device, model_config, last_layer=cfg.store_last_layer
+    )
     if tp > 1:
         check_sharded(model, target.layers, tp, what)
     return target

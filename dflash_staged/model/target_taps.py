@@ -100,7 +100,9 @@ def _find_layers(model, num_layers: int) -> torch.nn.ModuleList:
 class Target:
     """A loaded target LM with tapped decoder layers; build it with :func:`load_target`."""
 
-    def __init__(self, model, layer_ids: list[int], target_id: str, device, model_config=None):
+    def __init__(
+        self, model, layer_ids: list[int], target_id: str, device, model_config=None, last_layer: bool = False
+    ):
         self.model = model.eval().requires_grad_(False)
         cfg = model_config if model_config is not None else model.config
         text = text_config(cfg)
@@ -113,6 +115,9 @@ class Target:
         if bad or not layer_ids or len(set(layer_ids)) != len(layer_ids):
             raise DflashError(f"layer ids {layer_ids}: need distinct ids in 0..{self.num_layers - 1}")
         self.layer_ids: list[int] = list(layer_ids)
+        # what capture() returns on its K axis: the taps, then (last_layer) the last decoder layer
+        self.stored_ids: list[int] = self.layer_ids + ([self.num_layers - 1] if last_layer else [])
+        self.last_layer: int | None = self.num_layers - 1 if last_layer else None
         self.target_id = target_id
         self.device = torch.device(device)
         self.dtype: torch.dtype = next(model.parameters()).dtype
@@ -125,10 +130,11 @@ class Target:
         return not self.is_hybrid
 
     @contextlib.contextmanager
-    def _taps(self, out: torch.Tensor | None, stop: bool):
-        """Hooks writing layer ``layer_ids[k]``'s output into ``out[:, :, k]`` (none with ``out=None``);
-        optionally stop after the deepest."""
-        deepest = max(self.layer_ids)
+    def _taps(self, out: torch.Tensor | None, stop: bool, ids: list[int] | None = None):
+        """Hooks writing layer ``ids[k]``'s output (``ids``: the taps by default) into ``out[:, :, k]``
+        (none with ``out=None``); optionally stop after the deepest."""
+        ids = self.layer_ids if ids is None else ids
+        deepest = max(ids)
 
         def make_hook(k: int, last: bool):
             def hook(module, args, output):
@@ -140,9 +146,10 @@ class Target:
 
             return hook
 
+        last_k = max(k for k, i in enumerate(ids) if i == deepest)  # one hook stops, after the others
         handles = [
-            self.layers[i].register_forward_hook(make_hook(k, stop and i == deepest))
-            for k, i in enumerate(self.layer_ids)
+            self.layers[i].register_forward_hook(make_hook(k, stop and k == last_k))
+            for k, i in enumerate(ids)
         ]
         try:
             yield
@@ -150,28 +157,30 @@ class Target:
             for h in handles:
                 h.remove()
 
-    def _empty_taps(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _empty_taps(self, input_ids: torch.Tensor, k: int | None = None) -> torch.Tensor:
         B, L = input_ids.shape
-        return torch.empty(B, L, len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device)
+        k = len(self.layer_ids) if k is None else k
+        return torch.empty(B, L, k, self.hidden_size, dtype=self.dtype, device=self.device)
 
     def capture(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, keep: bool = True
     ) -> torch.Tensor | None:
-        """Tapped layer outputs ``[B, L, K, H]`` of a right-padded batch, with the forward stopped early.
+        """The stored layers' outputs ``[B, L, K, H]`` of a right-padded batch (``K = len(stored_ids)``:
+        the taps, then the last decoder layer when it is stored), with the forward stopped early.
 
         ``keep=False`` runs the same forward and keeps nothing (a tensor-parallel rank that does not
         write the shard); it returns None."""
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
-        out = self._empty_taps(input_ids) if keep else None
-        with torch.inference_mode(), self._taps(out, stop=True):
+        out = self._empty_taps(input_ids, len(self.stored_ids)) if keep else None
+        with torch.inference_mode(), self._taps(out, stop=True, ids=self.stored_ids):
             try:
                 self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             except _StopForward:
                 pass
             else:  # pragma: no cover - would mean the hook never fired
-                raise RuntimeError(f"layer {max(self.layer_ids)} never ran; cannot stop the forward early")
+                raise RuntimeError(f"layer {max(self.stored_ids)} never ran; cannot stop the forward early")
         return out
 
     def forward_with_taps(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True):

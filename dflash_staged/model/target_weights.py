@@ -1,5 +1,6 @@
-"""Named tensors of the target, read without building it: its frozen embedding and LM head, and the
-decoder layers a drafter can start from.
+"""Named tensors of the target, read without building it: its frozen embedding and LM head, its final
+norm (:func:`load_final_norm`: the trainer recomputes the target's logits from its stored last layer),
+and the decoder layers a drafter can start from.
 
 :func:`open_target_tensors` opens the target's weights where they are: the safetensors files of
 a local directory or a hub repo (only the shard files holding the tensors asked for are
@@ -30,6 +31,18 @@ EMBED_NAMES = (
     "embed_tokens.weight",
     "transformer.wte.weight",
 )
+# model types whose RMSNorm computes (1 + weight) * x
+ZERO_CENTRED_NORMS = {
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+}
 HEAD_NAMES = (
     "lm_head.weight",
     "language_model.lm_head.weight",
@@ -127,7 +140,11 @@ def _from_gguf(path: Path) -> TargetTensors:
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     if "token_embd.weight" not in tensors:
         raise DflashError(f"{path}: no token_embd.weight tensor; is this a language model GGUF?")
-    hf_names = {"token_embd.weight": EMBED_NAMES[0], "output.weight": HEAD_NAMES[0]}
+    hf_names = {
+        "token_embd.weight": EMBED_NAMES[0],
+        "output.weight": HEAD_NAMES[0],
+        "output_norm.weight": "model.norm.weight",
+    }
 
     def load(name: str) -> torch.Tensor:
         t = tensors[{v: k for k, v in hf_names.items()}[name]]
@@ -191,3 +208,39 @@ def load_embed_and_head(
     same = head is embed
     embed = embed.to(device=device, dtype=dtype or embed.dtype)
     return embed, embed if same else head.to(device=device, dtype=dtype or head.dtype)
+
+
+class FinalNorm(torch.nn.Module):
+    """The target's final RMSNorm, frozen: ``weight * x / rms(x)``, computed in fp32 (a zero-centred
+    norm's ``1 + weight`` is folded into ``weight`` at load)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().float())
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def load_final_norm(target_cfg, device: str | torch.device = "cpu") -> FinalNorm:
+    """The target's final norm (after its last decoder layer, before its LM head), without building it:
+    an RMSNorm's weight (``<prefix>norm.weight`` beside ``<prefix>layers.*``) and ``rms_norm_eps``; a
+    zero-centred one (Qwen3.5, Qwen3-Next, Gemma: ``(1 + weight) x``) gets ``1 + weight``. A target
+    whose final norm is not an RMSNorm (a LayerNorm with a bias) is refused, naming it."""
+    src = open_target_tensors(target_cfg)
+    prefixes = sorted({n.split("layers.")[0] for n in src.names if ".layers." in f".{n}"}, key=len)
+    names = [f"{p}norm.weight" for p in prefixes] + ["model.norm.weight", "output_norm.weight"]
+    name = _pick(src.names, tuple(names))
+    text = src.config.get("text_config") or src.config
+    if name is None or f"{name[: -len('weight')]}bias" in src.names or "rms_norm_eps" not in text:
+        raise DflashError(
+            f"target.model={target_cfg.model!r}: its final norm is not an RMSNorm this trainer can rebuild "
+            f"(looked for {', '.join(names[:3])} and rms_norm_eps); train.loss terms on the target's "
+            "distribution are not available for it: use loss = { ce = 1.0 }"
+        )
+    w = src.get(name).float()
+    if {src.config.get("model_type"), text.get("model_type")} & ZERO_CENTRED_NORMS:  # as init does
+        w = w + 1.0
+    return FinalNorm(w, float(text["rms_norm_eps"])).to(device)

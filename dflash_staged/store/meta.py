@@ -25,7 +25,8 @@ TOKEN_BYTES = 5  # per token besides the hidden states: int32 input id + uint8 l
 
 
 def bytes_per_token(num_layers: int, hidden_size: int, itemsize: int) -> int:
-    """Shard bytes per real token: K tapped states of ``hidden_size`` values, + id + loss mask."""
+    """Shard bytes per real token: K stored states (the taps, and the last layer when stored) of
+    ``hidden_size`` values, + id + loss mask."""
     return num_layers * hidden_size * itemsize + TOKEN_BYTES
 
 
@@ -74,9 +75,18 @@ class StoreMeta:
     logical_dtype: str
     compression: str = "none"
     format_version: int = FORMAT_VERSION
+    # The target's last decoder layer when its output (before the final norm) is stored as one more
+    # slice after the taps on the hidden array's K axis; None: not stored (and every older store).
+    last_layer: int | None = None
+
+    @property
+    def stored_layers(self) -> int:
+        """The hidden array's K: the taps, and the last layer when stored."""
+        return len(self.layer_ids) + (self.last_layer is not None)
 
     def __post_init__(self) -> None:
         self.layer_ids = [int(i) for i in self.layer_ids]
+        self.last_layer = None if self.last_layer is None else int(self.last_layer)
         if self.logical_dtype not in LOGICAL_DTYPES:
             raise ValueError(f"logical_dtype={self.logical_dtype!r}: use one of {sorted(LOGICAL_DTYPES)}")
         if self.compression not in COMPRESSIONS:

@@ -42,7 +42,7 @@ class StorePaths:
 
     @property
     def bytes_per_token(self) -> int:
-        return bytes_per_token(len(self.meta.layer_ids), self.meta.hidden_size, self._torch_dtype.itemsize)
+        return bytes_per_token(self.meta.stored_layers, self.meta.hidden_size, self._torch_dtype.itemsize)
 
     def disk_bytes(self) -> int:
         """Bytes of all files under the store root (shards, temp leftovers, metadata)."""

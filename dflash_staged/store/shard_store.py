@@ -6,20 +6,24 @@ Layout (all metadata is standard zarr v3 ``zarr.json``)::
 
     STORE/zarr.json                  group; attributes["dflash_store"] = {format_version,
                                      manifest_id, target_id, layer_ids, hidden_size,
-                                     logical_dtype, compression}
+                                     logical_dtype, compression, last_layer}
     STORE/shards/zarr.json           group
     STORE/shards/e{E}/zarr.json      group, one per epoch
     STORE/shards/e{E}/j{J}/          group, one per job (a "shard"); attributes["dflash_shard"] =
                                      {format_version, epoch, job_id, num_tokens, num_samples,
                                      logical_dtype, compression, nbytes, checksum,
                                      arrays: {name: {shape, dtype, file, stored_bytes, raw_bytes, xxh3}}}
-        hidden/       [T, K, H]  the K tapped layers' hidden states, samples packed back to back
+        hidden/       [T, K, H]  the K stored layers' hidden states, samples packed back to back
         input_ids/    [T] int32
         loss_mask/    [T] uint8 (0/1)
         cu_seqlens/   [B+1] int64, sample b is tokens cu_seqlens[b]:cu_seqlens[b+1]
         sample_ids/   [B] int64 (ids of the plan's samples)
 
-T is the number of real tokens (no padding), K = len(layer_ids), H = hidden_size. Each array
+T is the number of real tokens (no padding), H = hidden_size, K = len(layer_ids): the tapped
+layers' outputs in ``layer_ids`` order, plus one when ``last_layer`` is set (the target's
+``[target] store_last_layer``): then ``hidden[:, K-1]`` is the output of decoder layer
+``last_layer`` (the last one), before the target's final norm. A store without the key (written
+before it existed) reads as ``last_layer = null``. Each array
 is a single chunk (chunk shape = shape, or 1 where a dimension is 0) stored in the file
 ``<array>/c.0[.0.0]`` (default chunk key encoding, separator "."), codecs ``bytes`` (little
 endian) and, if the store's compression is "zstd", ``zstd`` level 1. ``hidden`` is stored as

@@ -59,7 +59,7 @@ class ShardWriter(ShardCleanup):
         return edir
 
     def _arrays(self, hidden, input_ids, loss_mask, cu_seqlens, sample_ids) -> dict[str, torch.Tensor]:
-        k, h = len(self.meta.layer_ids), self.meta.hidden_size
+        k, h = self.meta.stored_layers, self.meta.hidden_size
         if hidden.dim() != 3 or hidden.shape[1] != k or hidden.shape[2] != h:
             raise ValueError(f"hidden has shape {tuple(hidden.shape)}; this store wants [T, {k}, {h}]")
         if hidden.dtype != self._torch_dtype:

@@ -14,6 +14,7 @@ The consumption, release and resume rules are :mod:`dflash_staged.train.ledger`'
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import time
@@ -23,7 +24,13 @@ from dflash_staged.manifest.balance import PUBLISH_S, SIDES, Tally
 from dflash_staged.procs import my_identity
 from dflash_staged.train.draw import StepData, gather_step
 from dflash_staged.train.ledger import Consumed, token_digest
-from dflash_staged.train.objective import anchor_counts, per_offset_accuracy, selector_metrics, training_tau
+from dflash_staged.train.objective import (
+    anchor_counts,
+    per_offset_accuracy,
+    selector_metrics,
+    target_metrics,
+    training_tau,
+)
 from dflash_staged.train.trainer import Trainer
 
 NONFINITE_STOP = 8  # steps in a row whose loss or gradient is not finite (each skipped) stop the run
@@ -101,10 +108,12 @@ def metrics_line(
     if t.device.type != "cuda" or t.step % t.cfg.train.log_every == 0:
         t.dist.all_reduce_([stats[k].reshape(-1) for k in sorted(stats)])
         loss = float(stats["loss_sum"] / stats["weight_sum"].clamp_min(1e-12))
+        loss = loss if math.isfinite(loss) else None
         acc = per_offset_accuracy(stats["correct"], stats["total"])
         tau = training_tau(stats["accepted"], stats["blocks"])
+        selector = target_metrics(stats)  # with the target's logits: agreement, overlap, expected tau
         if getattr(t.model.drafter, "selector", None) is not None:
-            selector = selector_metrics(stats)
+            selector.update(selector_metrics(stats))
     choices = t.dist.sum_int(data.bucket_choices if data else 0)
     return {
         "step": t.step,

@@ -14,7 +14,10 @@ here from the device's memory) and :func:`estimate` states the peak it expects:
   layer keeps only its input (``hidden`` elements a row) and one layer is recomputed at a time;
 * **per context token**: the taps read from the shard, the fused context and each layer's
   context keys and values;
-* **the loss**: one ``train.loss_chunk`` of fp32 logits, their softmax and gradient;
+* **the loss**: one ``train.loss_chunk`` of fp32 logits, their softmax and gradient
+  (:data:`LOSS_BUFFERS`); with a term on the target's distribution also the target's logits, both
+  sides' log-probabilities and probabilities (:data:`TARGET_LOSS_BUFFERS`), and the target's last
+  layer among the context tokens' inputs;
 * **DFlash2**: its convolutions' saved inputs and kernels (:data:`CONV_ROW_ELEMS`) a row per layer,
   and the selector's fp32 candidate codebook rows, scores and their gradients a row.
 
@@ -34,6 +37,8 @@ from dflash_staged.errors import DflashError
 
 ROW_ELEMS = 9.0  # saved elements a row per layer, in units of (hidden + intermediate)
 CONV_ROW_ELEMS = 4  # DFlash2: a layer's convolutions keep about 4 x (2 x taps + 1) x hidden a row
+LOSS_BUFFERS = 3  # fp32 [loss_chunk, vocab] tensors of the head with ce alone: logits, softmax, gradient
+TARGET_LOSS_BUFFERS = 8  # ... with the target's logits too: its logits, both log-softmaxes and softmaxes
 USABLE = 0.85  # share of the device's memory the estimate may fill (allocator slack, CUDA context)
 GIB = 2**30
 
@@ -70,11 +75,16 @@ class MemoryEstimate:
 
 
 def estimate(
-    drafter, t: TrainConfig, device: torch.device, device_bytes: int | None = None
+    drafter,
+    t: TrainConfig,
+    device: torch.device,
+    device_bytes: int | None = None,
+    target_logits: bool = False,
 ) -> MemoryEstimate:
     """The estimate for ``drafter`` (its config and the sizes of its trainable and frozen tensors;
     it may live on the meta device) trained under ``t`` on ``device``, whose memory is
-    ``device_bytes`` (default: the CUDA device's; none on CPU)."""
+    ``device_bytes`` (default: the CUDA device's; none on CPU); ``target_logits``: the loss also
+    recomputes the target's logits (a term on its distribution: ``train.loss``)."""
     c = drafter.dcfg
     cuda = device.type == "cuda"
     act = 2 if cuda else 4  # bf16 autocast on CUDA, fp32 on CPU
@@ -90,6 +100,7 @@ def estimate(
         selector_row = selector_row_bytes(c)
     taps = len(c.target_layer_ids)
     kv = 2 * c.num_key_value_heads * c.head_dim
+    taps += 1 if target_logits else 0  # the target's last layer, read beside the taps
     ctx_elems = t.microbatch_tokens * (taps * H + 2 * H + L * kv * (1 if t.activation_checkpointing else 2))
     if device_bytes is None:
         device_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else 0
@@ -97,7 +108,10 @@ def estimate(
         fixed=trainable * (18 if cuda else 16) + frozen * act,
         per_row=rows_elems * act + selector_row,
         context=ctx_elems * act,
-        loss=3 * min(t.loss_chunk, t.microbatch_tokens * c.block_size) * c.vocab_size * 4,
+        loss=(TARGET_LOSS_BUFFERS if target_logits else LOSS_BUFFERS)
+        * min(t.loss_chunk, t.microbatch_tokens * c.block_size)
+        * c.vocab_size
+        * 4,
         device_bytes=device_bytes,
     )
 

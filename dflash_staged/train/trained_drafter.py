@@ -27,8 +27,8 @@ from dflash_staged.model.weights import write_drafter_files
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.memory import estimate, row_budget
-from dflash_staged.train.objective import PER_OFFSET, dflash_loss, noise_std_at
-from dflash_staged.train.selector_loss import alpha_at
+from dflash_staged.train.objective import dflash_loss, noise_std_at, zero_stats
+from dflash_staged.train.objective.selector import alpha_at
 
 
 class Knobs(NamedTuple):
@@ -36,18 +36,26 @@ class Knobs(NamedTuple):
 
     noise_std: float
     selector_alpha: float
+    target_metrics: bool = False  # a logging step: recompute the target's logits for its metrics too
 
 
 class DrafterModel:
     """One rank's drafter, its anchor generator and how a microbatch's loss is computed."""
 
-    def __init__(self, drafter: DFlashDrafter, t: TrainConfig, device: torch.device, rank: int):
-        self.drafter, self.t, self.device = drafter, t, device
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        t: TrainConfig,
+        device: torch.device,
+        rank: int,
+        target_norm: torch.nn.Module | None = None,
+    ):
+        self.drafter, self.t, self.device, self.target_norm = drafter, t, device, target_norm
         self.params = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
         self.anchor_gen = torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + 101 + rank)
         self.attention = resolve_attention(t.attention, device)
         drafter.activation_checkpointing = t.activation_checkpointing
-        self.memory = estimate(drafter, t, device)
+        self.memory = estimate(drafter, t, device, target_logits=t.needs_target)
         self.max_rows = row_budget(self.memory, t, drafter.block_size)  # 0 = no cap
         if device.type == "cuda" and rank == 0:
             print(f"train: {self.memory.line(self.max_rows)}", file=sys.stderr, flush=True)
@@ -67,10 +75,14 @@ class DrafterModel:
         return Knobs(
             noise_std_at(step, total_steps, t.noise_std, t.noise_schedule),
             alpha_at(step, total_steps, t.selector_alpha, t.selector_warmup_ratio, t.selector_ramp_ratio),
+            self.target_norm is not None and (step + 1) % t.log_every == 0,
         )
 
     def loss(self, mb: dict, knobs: Knobs):
-        """(weighted loss sum, stats) of one microbatch already on the device; see :func:`dflash_loss`."""
+        """(weighted loss sum, stats) of one microbatch already on the device; see :func:`dflash_loss`.
+        The target's logits are recomputed when the loss needs them, and for the metrics every
+        ``train.log_every`` steps (when the store has the target's last layer)."""
+        norm = self.target_norm if (self.t.needs_target or knobs.target_metrics) else None
         with self.autocast():
             return dflash_loss(
                 self.drafter,
@@ -86,15 +98,15 @@ class DrafterModel:
                 dpace_alpha=self.t.dpace_alpha,
                 selector_alpha=knobs.selector_alpha,
                 selector_stop_gradient=self.t.selector_stop_gradient,
+                terms=self.t.loss,
+                target_norm=norm,
+                distill_temperature=self.t.distill_temperature,
+                lk_eta=self.t.lk_eta,
+                selector_labels=self.t.selector_labels,
             )
 
     def zero_stats(self) -> dict[str, torch.Tensor]:
-        z = torch.zeros(self.block_size - 1, dtype=torch.float64, device=self.device)
-        s = torch.zeros((), dtype=torch.float64, device=self.device)
-        out = {k: z.clone() for k in PER_OFFSET}
-        for k in ("loss_sum", "weight_sum", "accepted", "blocks", "selector_loss_sum", "walk_accepted"):
-            out[k] = s.clone()
-        return out
+        return zero_stats(self.block_size, self.device)
 
     @staticmethod
     def add_stats(acc: dict, st: dict) -> None:
@@ -123,6 +135,23 @@ class DrafterModel:
     def write_drafter(self, d) -> None:
         """The servable reference-format drafter (config.json + model.safetensors) into directory ``d``."""
         write_drafter_files(self.drafter, d)
+
+
+def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> torch.nn.Module | None:
+    """The target's final norm when the store holds its last layer (None otherwise). A loss that needs
+    the target's distribution on a store without the last layer is refused here, before any step."""
+    from dflash_staged.model.target_weights import load_final_norm
+
+    if store.meta.last_layer is None:
+        if cfg.train.needs_target:
+            what = ", ".join(cfg.train.target_terms) or "selector_labels = target"
+            raise DflashError(
+                f"train.loss = {cfg.train.loss} ({what}) learns the target's own distribution, which needs "
+                f"its last layer in the store, and store {store.root} was extracted without it: plan with "
+                "[target] store_last_layer = true and extract again, or train with loss = { ce = 1.0 }"
+            )
+        return None
+    return load_final_norm(cfg.target, device)
 
 
 def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_from: Path | None = None):

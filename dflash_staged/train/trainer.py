@@ -37,7 +37,7 @@ from dflash_staged.train.optim import Optimizer
 from dflash_staged.train.options import TrainOptions
 from dflash_staged.train.progress import Progress
 from dflash_staged.train.sources import LiveSource, ReplaySource
-from dflash_staged.train.trained_drafter import DrafterModel, build_drafter
+from dflash_staged.train.trained_drafter import DrafterModel, build_drafter, target_norm_for
 
 RUN_KEY = "trainer_run"  # the manifest's record of the run that checkpoints on it: {"host", "out"}
 
@@ -208,7 +208,10 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     if not opts.replay and dist.rank == 0:
         # half-deleted shards of a killed trainer, half-written ones of dead workers, stale ones
         store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
-    model = DrafterModel(build_drafter(cfg, store, device, opts.init_from), cfg.train, device, dist.rank)
+    norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
+    model = DrafterModel(
+        build_drafter(cfg, store, device, opts.init_from), cfg.train, device, dist.rank, norm
+    )
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:
         order = inputs.load_order(opts.order_from) if opts.order_from else None

@@ -3,13 +3,15 @@
 Contract (called by :func:`dflash_staged.train.objective.dflash_loss` for a drafter with a selector):
 
 * **Candidates** are the strict top ``selector_top_k`` of the head's transformed logits at each block
-  offset (the serving set; from the same chunked pass as the DFlash term, :mod:`~dflash_staged.train.head`).
+  offset (the serving set; from the same chunked pass as the DFlash term, :mod:`.head`).
 * **Term.** At offset ``k`` the predecessor is the true previous token (the anchor's at offset 1:
   teacher forcing) and the selector's scores over the candidates get a ``K``-way cross-entropy with
-  the label's index, on rows whose label is valid and among the candidates ("covered"); other rows
-  carry no selector gradient (a miss is the backbone's recall failure). The objective weighs the
-  rows with the DFlash term's position weights and the same denominator. With ``stop_gradient`` the
-  unary logits and the drafter state enter the term detached: it trains the selector only.
+  the label's index (the label: the data's next token, or the target's argmax with
+  ``train.selector_labels = "target"``, as vLLM speculators trains it), on rows whose label is
+  valid and among the candidates ("covered"); other rows carry no selector gradient (a miss is the
+  backbone's recall failure). The objective weighs the rows with the DFlash term's position weights
+  and the same denominator. With ``stop_gradient`` the unary logits and the drafter state enter the
+  term detached: it trains the selector only.
 * **Metrics** (no gradient): ``covered`` (top-k recall), ``selector_hits`` (the selector's argmax
   is the label, given the true predecessor, on covered rows) and ``walk_hits ``: the greedy walk
   from the true anchor on its *own* choices (what serving does), whose leading run of hits is the
@@ -23,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from dflash_staged.model.dflash2 import CandidateSelector
-from dflash_staged.train.head import HeadRows, top_values
+from dflash_staged.train.objective.head import HeadRows, top_values
 
 
 class SelectorRows(NamedTuple):
