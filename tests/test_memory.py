@@ -175,15 +175,24 @@ def test_one_layer_at_the_qwen3_8b_recipe_shapes(capsys):
     del m
     recipe = drafter(4096, 12288, 5, 32, 8, 128, vocab=151936, block=16, device="meta")  # shapes only
     report = []
-    for ckpt in (False, True):
-        for gib in (80, 141):
-            t = TrainConfig(activation_checkpointing=ckpt)
-            e = memory.estimate(recipe, t, torch.device("cuda"), device_bytes=gib * 10**9)
-            report.append((ckpt, gib, e.max_rows, e.peak(512 * 16) / 2**30, e.per_row / 2**20))
+    for target in (False, True):  # with a loss on the target's distribution: its logits in the head too
+        for ckpt in (False, True):
+            for gib in (80, 141):
+                t = TrainConfig(activation_checkpointing=ckpt)
+                e = memory.estimate(
+                    recipe, t, torch.device("cuda"), device_bytes=gib * 10**9, target_logits=target
+                )
+                report.append(
+                    (target, ckpt, gib, e.max_rows, e.peak(512 * 16) / 2**30, e.per_row / 2**20, e.loss)
+                )
     with capsys.disabled():
-        for ckpt, gib, rows, peak, mib in report:
+        for target, ckpt, gib, rows, peak, mib, loss in report:
             print(
-                f"\nQwen3-8B drafter, activation_checkpointing={ckpt}, {gib} GB device: {mib:.2f} MiB a row, "
+                f"\nQwen3-8B drafter{', target logits' if target else ''}, activation_checkpointing={ckpt}, "
+                f"{gib} GB device: {mib:.2f} MiB a row, loss chunk {loss / 2**30:.1f} GiB, "
                 f"row budget {rows:,}, peak at 8,192 rows (512 anchors x 16) {peak:.1f} GiB"
             )
-    assert all(rows >= 512 * 16 for ckpt, gib, rows, _, _ in report if gib == 141 or ckpt)
+    assert all(rows >= 512 * 16 for _, ckpt, gib, rows, *_ in report if gib == 141 or ckpt)
+    plain, with_target = report[0], report[4]  # no checkpointing, 80 GB
+    assert with_target[6] == plain[6] * memory.TARGET_LOSS_BUFFERS / memory.LOSS_BUFFERS  # the head's chunk
+    assert with_target[3] < plain[3]  # fewer rows fit beside the target's logits

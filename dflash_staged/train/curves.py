@@ -1,4 +1,6 @@
-"""Training curves: loss, training tau and the learning rate against steps, from ``metrics.jsonl``.
+"""Training curves: loss, training tau and the learning rate against steps, from ``metrics.jsonl``;
+with the target's last layer in the store also tau against the target (greedy, and expected under
+sampling at T = 1, from the overlap ``sum min(p, q)``) on the steps that logged them.
 
 ``dflash plot RUN_DIR`` draws ``RUN_DIR/metrics.png`` (``--out`` elsewhere); ``dflash train``
 draws it at the end of a run when matplotlib is installed (the ``dev``/``demo`` extras).
@@ -62,6 +64,12 @@ def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
         for ax, key in zip(axes[:2], ("loss", "tau")):
             v = [r[key] for r in recs]
             ax.plot(steps[k - 1 :], [sum(v[i - k + 1 : i + 1]) / k for i in range(k - 1, len(v))], lw=2)
+    target = [r for r in recs if r.get("expected_tau") is not None]  # the store holds the target's last layer
+    if target:  # tau against the target itself: greedy (its argmax) and expected under sampling (T = 1)
+        ts = [r["step"] for r in target]
+        for key, label in (("target_tau", "greedy vs target"), ("expected_tau", "expected at T=1")):
+            axes[1].plot(ts, [r[key] for r in target], lw=1, marker=".", ms=3, label=label)
+        axes[1].legend(fontsize=7)
     fig.suptitle(
         f"{Path(run_dir).resolve().name}: {steps[-1]} steps, {sum(r['tokens'] for r in recs):,} tokens",
         fontsize=9,

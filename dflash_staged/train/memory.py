@@ -38,7 +38,7 @@ from dflash_staged.errors import DflashError
 ROW_ELEMS = 9.0  # saved elements a row per layer, in units of (hidden + intermediate)
 CONV_ROW_ELEMS = 4  # DFlash2: a layer's convolutions keep about 4 x (2 x taps + 1) x hidden a row
 LOSS_BUFFERS = 3  # fp32 [loss_chunk, vocab] tensors of the head with ce alone: logits, softmax, gradient
-TARGET_LOSS_BUFFERS = 8  # ... with the target's logits too: its logits, both log-softmaxes and softmaxes
+TARGET_LOSS_BUFFERS = 10  # ... with the target's logits: both sides' logits and softmaxes, the terms
 USABLE = 0.85  # share of the device's memory the estimate may fill (allocator slack, CUDA context)
 GIB = 2**30
 

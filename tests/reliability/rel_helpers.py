@@ -73,6 +73,20 @@ def scan_store(store: Path) -> dict:
     return {"published": published, "temps": temps, "bytes": nbytes}
 
 
+def chunk_bytes(store) -> int:
+    """Bytes of the shards' array data under the store (published, being written, being deleted):
+    what the window counts (a shard's few small zarr.json files are left out)."""
+    total = 0
+    for dirpath, _, files in os.walk(store / "shards"):
+        for f in files:
+            if f.startswith("c"):
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_size
+                except OSError:
+                    pass
+    return total
+
+
 # ---------------------------------------------------------------------------------------------- accounting
 def assert_exactly_once(mdir: Path, run_dir: Path) -> dict:
     """Every job of every epoch was consumed by exactly one optimizer step (final checkpoint and

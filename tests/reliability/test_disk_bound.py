@@ -8,30 +8,21 @@ the window: a window sized to the disk could hit ENOSPC.
 
 from __future__ import annotations
 
-import os
 import time
 
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.dims import target_dims
 
 from helpers import plan, start
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, tracebacks
+from rel_helpers import (
+    assert_all_released_and_clean,
+    assert_exactly_once,
+    chunk_bytes,
+    hooked_env,
+    tracebacks,
+)
 
 EXTRA = "[data]\ntoken_budget = 512\n"
-
-
-def chunk_bytes(store) -> int:
-    """Bytes of the shards' array data under the store (published, being written, being deleted):
-    what the window counts (a shard's few small zarr.json files are left out)."""
-    total = 0
-    for dirpath, _, files in os.walk(store / "shards"):
-        for f in files:
-            if f.startswith("c"):
-                try:
-                    total += os.lstat(os.path.join(dirpath, f)).st_size
-                except OSError:
-                    pass
-    return total
 
 
 def test_store_stays_within_window_bytes_while_the_remover_is_slow(tmp_path):

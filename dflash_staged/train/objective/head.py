@@ -23,7 +23,9 @@ training):
 * **Memory.** Each chunk's gradient of the loss to ``h`` is formed during the forward and kept
   (``[P, H]``); the backward scales those rows by the incoming per-row gradient, so any per-row
   weights (decay, D-PACE) may be chosen after the forward. A chunk holds about 3 fp32 ``[chunk, V]``
-  tensors for ``ce`` alone and about 8 with the target's logits (``train.memory`` counts them).
+  tensors for ``ce`` alone and 8 to 10 with the target's logits (peak RSS on CPU over one tensor's
+  size, the process's own included: ce 3.9, kl 9.0, ce + tv 9.2, jsd 10.0, lk 10.2;
+  ``train.memory`` counts 3 and 10).
 * Matmuls run in ``W``'s dtype with autocast off; softmax and the terms in fp32.
 """
 
