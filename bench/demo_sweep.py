@@ -52,9 +52,16 @@ def dflash(*args, env: dict | None = None, timeout: float = 3600) -> subprocess.
     )
 
 
+def toml_value(v) -> str:
+    """A value as ``--set`` reads it (TOML): a dict is an inline table, ``{ ce = 0.1, tv = 0.9 }``."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(v)
+
+
 def sets(overrides: dict) -> list[str]:
     """``--set`` flags; the key ``init_from`` (a run directory) becomes ``--init-from``."""
-    flags = [x for k, v in overrides.items() if k != "init_from" for x in ("--set", f"{k}={json.dumps(v)}")]
+    flags = [x for k, v in overrides.items() if k != "init_from" for x in ("--set", f"{k}={toml_value(v)}")]
     return flags + (
         ["--init-from", str(Path(overrides["init_from"]).resolve())] if "init_from" in overrides else []
     )
