@@ -1,38 +1,27 @@
-"""GPU smoke check, run by ``bench/gpu_smoke.sh`` (which picks the Python); < 8 minutes on one H100/H200.
+"""GPU smoke check, run by ``bench/gpu_smoke.sh`` (which installs the carried wheels and picks the
+Python). Built for the borrowed GPU machine: a fixed budget, results that survive a cut, and verdicts
+that say what was and was not tested.
 
-Steps (each reports ``ok`` and its numbers; a failing step does not stop the others):
+* **Steps**, in order of value (``bench/gpu_smoke_steps.py`` says what each checks): ``recipe_train``
+  (does a real training step fit and run, how fast), ``train_e2e`` (extract and train side by side,
+  bf16, flex), ``hybrid_extract`` (the fast kernels), ``extract_throughput``, ``cuda_tests``,
+  ``tp_extract``. Each runs in a child process with its own time share (:data:`SHARE`): a step that
+  would not finish in the time left (``--budget-s`` from the start, less :data:`RESERVE_S` for the
+  summary) is skipped and named; a child that outlives its time is killed.
+* **Outputs** (``--out DIR``, inside the folder that comes back): ``DIR/gpu_smoke.json``, rewritten
+  as each step ends, and ``DIR/<step>.log``, each step's merged stdout and stderr streamed as it runs:
+  at most 7 files, so a run cut at any point returns what it measured. Scratch (plans, stores, runs)
+  goes to ``--work`` (default: a temporary directory), never under ``DIR``.
+* **Verdicts**: each step is ``ok``, ``failed`` or ``skipped`` with the reason. A step is required
+  unless it cannot apply here (``tp_extract`` with one GPU). The summary's ``ok`` is true only when
+  every required step is ``ok``: none failed, none skipped (for the budget, or because it could
+  not check what it is for, as the hybrid step without flash-linear-attention); ``status`` is
+  ``ok``, ``failed`` or ``incomplete``.
 
-1. ``cuda_tests``: ``pytest -m cuda`` over the test files that hold CUDA-marked tests. A file whose
-   module-level imports are not installed (hypothesis, pyarrow, ...) would fail pytest's collection: it
-   is left out, named with the missing packages, and fails the step; the other files still run.
-2. ``hybrid_extract``: the kernel preflight for a tiny hybrid target (``tiny:qwen3_5``, bf16, cuda:0),
-   then a real ``dflash extract --devices cuda:0`` on it. When the preflight passes, extract must run on
-   the fast kernels and write bf16 shards. When it refuses although flash-linear-attention is
-   installed (e.g. without fla-core, which holds ``fla.ops``), the step fails. When it is not
-   installed, the fast path is skipped (``skipped`` says so) and the step checks only that extract
-   refuses, then runs with ``--allow-slow-kernels``. causal-conv1d is optional (a warning).
-3. ``extract_throughput``: real tokens/s of the hooked, early-stopped ``Target.capture`` against a bare
-   full forward (all layers, norm, LM head) of the same model and batch: a dense Qwen3 built in code
-   (24 layers, hidden 2048, bf16), batch 8 x 2048 tokens, taps = the DFlash rule for 5 draft layers.
-   Goal: ratio >= 0.9. Also capture + device-to-host copy into pinned memory.
-4. ``train_e2e``: plan a small synthetic dataset for ``tiny:qwen3`` in bf16, then run
-   ``dflash extract --devices cuda:0`` and ``dflash train --device cuda`` side by side through the
-   launcher (``python -m dflash_staged pipeline``); the drafter trains under bf16 autocast.
-5. ``recipe_train``: a few training steps of a drafter at the Qwen3-8B recipe's shapes (random weights
-   from a config, bf16 autocast; ``bench/recipe_step.py``), with and without activation
-   checkpointing, and as the DFlash2 recipe's drafter: tokens/s and ``max_memory_allocated``
-   against ``dflash_staged.train.memory``'s estimate (ok within +20%).
-6. ``tp_extract`` (2+ GPUs; skipped with one): ``dflash extract --tp 2 --devices cuda:0,cuda:1`` on the
-   tiny MoE target (``tiny:qwen3_moe``, bf16, NCCL), with one ``kill -9`` of the follower mid-run: the
-   supervisor must stop the group, restart it and finish every job; every shard is then compared with
-   a one-GPU forward of the same batch (bf16 rounding: max abs difference <= 0.25). Needs accelerate
-   (transformers' tensor-parallel loading); without it the step fails at once and says so.
-
-The last line printed is one JSON object: ``{"ok": ..., "device": ..., "steps": {name: {...}}}``;
-it is also written to ``OUT/gpu_smoke.json``. Exit code 0 when every step is ok.
-Usage: ``python bench/gpu_smoke.py [--out DIR] [--skip-tests] [--only STEP,...] [--device DEV]``.
-``--device cpu`` runs the same steps on the CPU with smaller shapes and data (a check of this script on
-a machine without a GPU: ``tests/test_gpu_smoke.py``); the throughput goal is judged on CUDA only.
+The last line printed is the summary as one JSON object. Exit code 0 when ``ok``.
+Usage: ``python bench/gpu_smoke.py --out DIR [--budget-s 500] [--device cuda:0] [--only a,b] [--skip a,b]``;
+``--device cpu`` runs the same steps on the CPU with small shapes (CI's rehearsal:
+``tests/test_gpu_smoke.py``).
 """
 
 from __future__ import annotations
@@ -40,620 +29,184 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
-import re
-import statistics
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-NEEDED = (
-    "torch",
-    "transformers",
-    "safetensors",
-    "zarr",
-    "numcodecs",
-    "xxhash",
-    "numpy",
-    "click",
-    "tqdm",
-    "tokenizers",
-    "pytest",
-)
+RESERVE_S = 5.0  # kept back from the budget for the last summary
+# (seconds a step is expected to take on one H200 cold, the most it may take) and the same on a CPU
+SHARE = {
+    "recipe_train": ((150, 300), (60, 240)),
+    "train_e2e": ((120, 240), (60, 200)),
+    "hybrid_extract": ((90, 200), (40, 150)),
+    "extract_throughput": ((45, 120), (20, 90)),
+    "cuda_tests": ((150, 300), (40, 150)),
+    "tp_extract": ((120, 240), (60, 200)),
+}
+NEEDED = ("torch", "transformers", "safetensors", "zarr", "numcodecs", "xxhash", "numpy", "click", "tqdm")
 
 
-def env() -> dict:
-    e = dict(os.environ)
-    e.update(
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"
-    )
-    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
+def required(name: str, dev: str, gpus: int) -> bool:
+    """Whether ``name`` must pass for the run to be ok (``tp_extract`` needs two GPUs)."""
+    return name != "tp_extract" or (dev.startswith("cuda") and gpus >= 2)
 
 
-def sh(cmd: list, timeout: float, log: Path) -> tuple[int, str]:
-    """Run cmd (output to `log` and returned); rc 124 on timeout."""
-    t0 = time.time()
-    try:
-        r = subprocess.run(
-            [str(c) for c in cmd], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
-        )
-        rc, text = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = 124
-        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        text += f"\n[gpu_smoke] timed out after {timeout:.0f} s"
-    log.write_text(f"$ {' '.join(map(str, cmd))}\n[{time.time() - t0:.1f} s, rc {rc}]\n{text}")
-    print(
-        f"[gpu_smoke] {' '.join(map(str, cmd[1:5]))} ... -> rc {rc} ({time.time() - t0:.0f} s; log {log})",
-        flush=True,
-    )
-    return rc, text
+def write_summary(out: Path, summary: dict) -> None:
+    """``out/gpu_smoke.json``, replaced atomically."""
+    tmp = out / ".gpu_smoke.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    os.replace(tmp, out / "gpu_smoke.json")
 
 
-def tail(text: str, n: int = 600) -> str:
-    return text[-n:]
-
-
-# ---------------------------------------------------------------------------------------------- data /
-# configs
-TINY_GPU_CONFIG = """
-[target]
-model = "{model}"
-dtype = "auto"
-[data]
-max_len = 512
-num_buckets = 3
-token_budget = 2048
-[drafter]
-num_hidden_layers = 2
-intermediate_size = 256
-num_attention_heads = 4
-num_key_value_heads = 2
-head_dim = 32
-block_size = 8
-mask_token_id = 3
-dtype = "bfloat16"
-[train]
-lr = 2e-3
-warmup_ratio = 0.1
-grad_accum = 2
-microbatch_tokens = 2048
-num_anchors = 32
-gamma = 4.0
-buffer_capacity = 4
-min_ready = 2
-checkpoint_every = 4
-log_every = 1
-[extract]
-window = 16
-lease_s = 120
-"""
-
-
-def write_data(path: Path, n: int, seed: int = 0) -> Path:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            L = int(rng.integers(48, 480))
-            ids = rng.integers(4, 2048, L).tolist()
-            p = int(rng.integers(4, L // 4))
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * p + [1] * (L - p)}) + "\n")
-    return path
-
-
-def plan(work: Path, model: str, n: int) -> Path:
-    work.mkdir(parents=True, exist_ok=True)
-    cfg = work / "config.toml"
-    cfg.write_text(TINY_GPU_CONFIG.format(model=model))
-    data = write_data(work / "data.jsonl", n)
-    rc, text = sh(
-        [
-            sys.executable,
-            "-m",
-            "dflash_staged",
-            "plan",
-            "--config",
-            cfg,
-            "--data",
-            data,
-            "--manifest",
-            work / "manifest",
-        ],
-        180,
-        work / "plan.log",
-    )
-    if rc != 0:
-        raise RuntimeError(f"plan failed: {tail(text)}")
-    return cfg
-
-
-# ---------------------------------------------------------------------------------------------- steps
-CUDA_MARK = re.compile(r"^\s*(@pytest\.mark\.cuda\b|pytestmark\s*=.*\bmark\.cuda\b)", re.M)
-
-
-def _missing_imports(path: Path) -> list[str]:
-    """Top-level packages that ``path`` imports at module level (outside ``try``) and that are not
-    installed; a test file with any of them would fail pytest's collection."""
-    import ast
-
-    missing = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            names = [node.module]
-        else:
-            continue
-        for top in {n.split(".")[0] for n in names}:
-            local = (path.parent / f"{top}.py").is_file() or (path.parent / top).is_dir()
-            if not local and importlib.util.find_spec(top) is None:
-                missing.add(top)
-    return sorted(missing)
-
-
-def cuda_test_files(tests: Path) -> tuple[list[Path], dict[str, list[str]]]:
-    """The test files that hold CUDA-marked tests, split into those pytest can collect here and the
-    rest (file name -> the packages it imports that are missing, e.g. hypothesis or pyarrow)."""
-    run, left_out = [], {}
-    for f in sorted(tests.glob("test_*.py")):
-        if not CUDA_MARK.search(f.read_text()):
-            continue
-        missing = _missing_imports(f)
-        if missing:
-            left_out[f.name] = missing
-        else:
-            run.append(f)
-    return run, left_out
-
-
-def step_cuda_tests(out: Path) -> dict:
-    """``pytest -m cuda`` over the files that hold CUDA tests, those whose imports are all installed.
-    A file left out for a missing package fails the step, naming the package (docs/gpu.md's wheel list
-    has it); the other files still run."""
-    files, left_out = cuda_test_files(ROOT / "tests")
-    res: dict = {"files": [f.name for f in files]}
-    if left_out:
-        res["left_out"] = left_out
-        pkgs = sorted({p for ps in left_out.values() for p in ps})
-        res["error"] = (
-            f"not run: {', '.join(left_out)} (hold CUDA tests but import {', '.join(pkgs)}, not installed;"
-            " install them, docs/gpu.md lists the wheels)"
-        )
-    if not files:
-        res["ok"] = False
-        res.setdefault("error", "no test file with CUDA-marked tests found under tests/")
-        return res
-    xml = out / "cuda_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={xml}"]
-    rc, text = sh(cmd + [str(f.relative_to(ROOT)) for f in files], 300, out / "cuda_tests.log")
-    res["rc"] = rc
-    if xml.is_file():
-        suites = ET.parse(xml).getroot()
-        suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
-        for k in ("tests", "failures", "errors", "skipped"):
-            res[k] = int(suite.get(k, 0))
-        res["failed_names"] = [
-            f"{c.get('classname')}::{c.get('name')}"
-            for c in suite.iter("testcase")
-            if c.find("failure") is not None or c.find("error") is not None
-        ][:20]
-    res["ok"] = rc in (0, 5) and not left_out  # 5: no CUDA-marked tests collected
-    if rc not in (0, 5):
-        res["tail"] = tail(text)
-    return res
-
-
-def kernels_installed() -> dict[str, bool]:
-    """Whether each fast-kernel package of the hybrid targets is installed (importable or not)."""
-    return {m: importlib.util.find_spec(m) is not None for m in ("fla", "causal_conv1d")}
-
-
-def hybrid_verdict(dev: str, installed: dict[str, bool], refusal: str | None) -> tuple[str, str]:
-    """What ``hybrid_extract`` checks, from the device, the installed kernels and the preflight's
-    refusal (None when it passed): ``("fast", why)``: run extract on the fast kernels, it must write
-    shards; ``("fail", why)``: the step fails at once; ``("slow", why)``: flash-linear-attention (the
-    kernel the preflight requires) is not installed, so the fast path is skipped and only the refusal
-    and ``--allow-slow-kernels`` are checked."""
-    if not dev.startswith("cuda"):
-        return "fast", "cpu: transformers' PyTorch reference path (the fast kernels need CUDA)"
-    if refusal is None:
-        return "fast", "the preflight passed: extract must run on the fast kernels"
-    if installed.get("fla"):
-        return "fail", f"flash-linear-attention (fla) is installed but the preflight refuses it: {refusal}"
-    return "slow", (
-        "flash-linear-attention is not installed, so the fast path was not checked (docs/gpu.md: offline "
-        "GPU machines); checked only that extract refuses and runs with --allow-slow-kernels"
-    )
-
-
-def step_hybrid_extract(out: Path, dev: str) -> dict:
-    from dflash_staged.model.preflight import KernelPreflightError, preflight_kernels
-    from dflash_staged.model.tiny import tiny_config
-
-    res: dict = {"kernels_installed": kernels_installed()}
-    refusal = None
-    try:
-        preflight_kernels(tiny_config("qwen3_5"), dev, allow_slow=False)
-        res["preflight"] = "passed"
-    except KernelPreflightError as e:
-        res["preflight"] = "refused"
-        refusal = res["preflight_message"] = str(e)[:600]
-    verdict, why = hybrid_verdict(dev, res["kernels_installed"], refusal)
-    res["verdict"] = why
-    if verdict == "fail":
-        return dict(res, ok=False, error=why)
-    work = out / "hybrid"
-    plan(work, "tiny:qwen3_5", 24 if dev.startswith("cuda") else 8)
-    cmd = [sys.executable, "-m", "dflash_staged", "extract", "--manifest", work / "manifest"]
-    cmd += ["--store", work / "store", "--devices", dev, "--window", "64"]  # no trainer: room for all
-    rc, text = sh(cmd, 300, work / "extract.log")
-    res["extract_rc"] = rc
-    if verdict == "fast":
-        from dflash_staged.store import ShardStore
-
-        ok = rc == 0
-        if ok:
-            st = ShardStore.open(work / "store")
-            res["store_dtype"] = st.meta.logical_dtype
-            res["shards"] = sum(1 for _ in st.iter_shards())
-            want = "bfloat16" if dev.startswith("cuda") else "float32"  # dtype auto
-            ok = st.meta.logical_dtype == want and res["shards"] > 0
-        res["ok"] = ok
-    else:
-        res["skipped"] = why
-        res["refused_as_expected"] = rc != 0 and "fast kernels" in text
-        rc2, text = sh(cmd + ["--allow-slow-kernels"], 300, work / "extract_slow.log")
-        res["allow_slow_rc"] = rc2
-        res["ok"] = res["refused_as_expected"] and rc2 == 0
-    if not res["ok"]:
-        res["tail"] = tail(text)
-    return res
-
-
-def step_throughput(out: Path, dev: str) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from dflash_staged.config import dflash_target_layers
-    from dflash_staged.model.target import Target, pack_unpadded
-
-    gpu = dev.startswith("cuda")
-    H, layers, B, L = (2048, 24, 8, 2048) if gpu else (256, 8, 2, 256)
-    warmup, repeats = (3, 10) if gpu else (1, 3)
-    cfg = Qwen3Config(
-        vocab_size=32768,
-        hidden_size=H,
-        intermediate_size=3 * H,
-        num_hidden_layers=layers,
-        num_attention_heads=H // 128,
-        num_key_value_heads=max(1, H // 256),
-        head_dim=128,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    dev = torch.device(dev)
-    dtype = torch.bfloat16 if gpu else torch.float32
-    with dev:  # initialise the random weights on the device itself (fast on a GPU)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    layer_ids = dflash_target_layers(cfg.num_hidden_layers, 5)
-    target = Target(model, layer_ids, f"bench:dense-{layers}x{H}", dev)
-    ids = torch.randint(4, cfg.vocab_size, (B, L), device=dev)
-    mask = torch.ones_like(ids)
-    lengths = torch.full((B,), L, dtype=torch.long)
-    host = torch.empty(B * L, len(layer_ids), H, dtype=dtype, pin_memory=gpu)
-
-    def capture():
-        return pack_unpadded(target.capture(ids, mask), lengths)
-
-    def capture_d2h():
-        host.copy_(capture(), non_blocking=True)
-
-    def full():
-        with torch.inference_mode():
-            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    def sync():
-        if gpu:
-            torch.cuda.synchronize(dev)
-
-    def timed(fn) -> float:
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t
-
-    fns = {"capture": capture, "capture_d2h": capture_d2h, "full": full}
-    for fn in fns.values():
-        for _ in range(warmup):
-            timed(fn)
-    times = {k: [] for k in fns}
-    for _ in range(repeats):  # interleaved, so drift hits all paths alike
-        for k, fn in fns.items():
-            times[k].append(timed(fn))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    tok = B * L
-    res = {
-        "model": f"qwen3 dense {layers} layers, hidden {H}, {str(dtype)[6:]}",
-        "batch": f"{B}x{L}",
-        "layer_ids": layer_ids,
-        "capture_tok_s": round(tok / med["capture"]),
-        "capture_d2h_tok_s": round(tok / med["capture_d2h"]),
-        "full_forward_tok_s": round(tok / med["full"]),
-        "ratio": round(med["full"] / med["capture"], 3),
-        "ratio_with_d2h": round(med["full"] / med["capture_d2h"], 3),
-        "repeats": repeats,
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if gpu else None,
+def verdict(summary: dict, dev: str, gpus: int) -> None:
+    steps = summary["steps"]
+    bad = {
+        n: s["status"]
+        for n, s in steps.items()
+        if s["status"] != "ok" and required(n, dev, gpus) and not s.get("not_required")
     }
-    res["ok"] = res["ratio"] >= 0.9 or not gpu  # the goal is a GPU one: on a CPU the step checks the code
-    model = target = None  # free the weights (the closures above hold them)
-    if gpu:
-        torch.cuda.empty_cache()
-    return res
+    summary["not_ok"] = bad
+    summary["ok"] = not bad
+    summary["status"] = "ok" if not bad else ("failed" if "failed" in bad.values() else "incomplete")
 
 
-def step_train_e2e(out: Path, dev: str) -> dict:
-    work = out / "e2e"
-    work.mkdir(parents=True, exist_ok=True)
-    cfg = work / "config.toml"
-    cfg.write_text(TINY_GPU_CONFIG.format(model="tiny:qwen3"))
-    data = write_data(work / "data.jsonl", 96 if dev.startswith("cuda") else 32, seed=1)
-    summary = work / "summary.json"
-    rc, text = sh(
-        [
-            sys.executable,
-            "-m",
-            "dflash_staged",
-            "pipeline",
-            "--config",
-            cfg,
-            "--data",
-            data,
-            "--workdir",
-            work / "w",
-            "--devices",
-            dev,
-            "--summary-json",
-            summary,
-            "--status-every",
-            "5",
-            "--",
-            "--device",
-            dev.split(":")[0],
-        ],
-        360,
-        work / "launch.log",
-    )
-    res = {"rc": rc}
-    if summary.is_file():
-        s = json.loads(summary.read_text())
-        res.update(
-            {
-                k: s.get(k)
-                for k in (
-                    "steps",
-                    "loss_first",
-                    "loss_last",
-                    "total_jobs",
-                    "tokens_trained",
-                    "peak_store_bytes",
-                    "extract_s",
-                    "train_s",
-                    "total_s",
-                )
-            }
-        )
-    ckpts = (
-        sorted(p.name for p in (work / "w" / "run").glob("*") if p.is_dir())
-        if (work / "w" / "run").is_dir()
-        else []
-    )
-    res["run_dir_entries"] = ckpts[:6]
-    loss = res.get("loss_last")
-    res["ok"] = rc == 0 and (res.get("steps") or 0) >= 1 and loss is not None and math.isfinite(loss)
-    if not res["ok"]:
-        res["tail"] = tail(text, 1500)
-    return res
-
-
-def _spawned_children(pid: int) -> list[int]:
-    """The multiprocessing-spawned children of ``pid`` (the extract worker processes), from /proc."""
-    kids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+def run_step(name: str, dev: str, work: Path, seconds: float, log: Path) -> dict:
+    """One step in a child process (``--run-step``), its output streamed to ``log``; killed (its process
+    group) past ``seconds``."""
+    result = work / f"{name}.result.json"
+    cmd = [sys.executable, __file__, "--run-step", name, "--device", dev, "--work", str(work)]
+    cmd += ["--seconds", f"{seconds:.0f}", "--result", str(result)]
+    t0 = time.time()
+    with open(log, "w", buffering=1) as f:
+        f.write(f"[gpu_smoke] step {name}: {seconds:.0f} s at most\n")
+        f.flush()
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and "spawn_main" in cmd:
-            kids.append(int(d.name))
-    return kids
-
-
-def step_tp_extract(out: Path, dev: str) -> dict:
-    import signal
-
-    import torch
-
-    gpu = dev.startswith("cuda")
-    if gpu and torch.cuda.device_count() < 2:
-        return {"ok": True, "skipped": f"needs 2 GPUs; this machine shows {torch.cuda.device_count()}"}
-    if importlib.util.find_spec("accelerate") is None:
-        return {
-            "ok": False,
-            "error": "accelerate is not installed: transformers' tensor-parallel loading (tp_plan) needs it; "
-            "install it (pip install accelerate; docs/gpu.md lists the wheel)",
-        }
-    from dflash_staged.manifest import Manifest
-    from dflash_staged.model.target import load_target, pack_unpadded, pad_batch
-    from dflash_staged.store import ShardStore
-
-    devices = "cuda:0,cuda:1" if gpu else "cpu,cpu"
-    work = out / "tp"
-    plan(work, "tiny:qwen3_moe", 48)
-    log = work / "extract.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dflash_staged",
-        "extract",
-        "--manifest",
-        work / "manifest",
-        "--store",
-        work / "store",
-        "--devices",
-        devices,
-        "--tp",
-        "2",
-        "--window",
-        "64",
-    ]
-    res: dict = {"devices": devices}
-    with open(log, "w") as f:
-        p = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env(), stdout=f, stderr=subprocess.STDOUT)
-        t0 = time.time()
-        with Manifest.open(work / "manifest", readonly=True) as m:
-            while p.poll() is None and "killed_follower" not in res and time.time() - t0 < 240:
-                claimed = {j.pid for j in m.jobs("claimed") if j.pid}
-                followers = sorted(set(_spawned_children(p.pid)) - claimed)
-                if claimed and followers:
-                    os.kill(followers[0], signal.SIGKILL)
-                    res["killed_follower"] = followers[0]
-                time.sleep(0.01)
-        try:
-            res["rc"] = p.wait(timeout=300)
+            rc = p.wait(timeout=seconds + 5)
         except subprocess.TimeoutExpired:
-            p.kill()
-            res["rc"] = 124
-    text = log.read_text()
-    res["restarted"] = "restarting it (1 of" in text
-    with Manifest.open(work / "manifest", readonly=True) as m:
-        jobs = m.jobs()
-        res["jobs"], res["written"] = len(jobs), m.counts()["written"]
-        if res["rc"] == 0:
-            target = load_target(m.config.target, dev, layer_ids=m.meta["layer_ids"])
-            store, worst = ShardStore.open(work / "store"), 0.0
-            for j in jobs:
-                shard = store.read_shard(j.epoch, j.id, j.checksum)
-                ids, attn, lengths = pad_batch(
-                    [torch.from_numpy(m.sample(s)[0].astype("int64")) for s in j.sample_ids]
-                )
-                ref = pack_unpadded(target.capture(ids, attn), lengths).float().cpu()
-                worst = max(worst, (shard.hidden.float() - ref).abs().max().item())
-            res["max_abs_diff_vs_tp1"], res["store_dtype"] = worst, store.meta.logical_dtype
-    tol = 0.25 if gpu else 1e-5
-    res["ok"] = (
-        res["rc"] == 0
-        and res["written"] == res["jobs"] > 0
-        and "killed_follower" in res
-        and res["restarted"]
-        and res.get("max_abs_diff_vs_tp1", 1e9) <= tol
-    )
-    if not res["ok"]:
-        res["tail"] = tail(text, 1500)
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = None
+    if result.is_file():
+        res = json.loads(result.read_text())
+    elif rc is None:
+        res = {"status": "failed", "why": f"timed out after {seconds:.0f} s (killed; see {log.name})"}
+    else:
+        res = {"status": "failed", "why": f"the step's process exited {rc} without a result (see {log.name})"}
+    if res.get("status") != "ok":
+        res.setdefault("log_tail", log.read_text(errors="replace")[-800:])
+    res["seconds"] = round(time.time() - t0, 1)
     return res
 
 
-# ---------------------------------------------------------------------------------------------- main
-def step_recipe_train(out: Path, dev: str) -> dict:
-    """Training steps at the Qwen3-8B recipe's shapes (``bench/recipe_step.py``), with and without
-    activation checkpointing, and as the DFlash2 recipe's drafter (block 8, non-causal sliding
-    layers on flex, the convolutions and the selector): tokens/s, and CUDA's peak against the
-    memory estimate (ok when the estimate is not exceeded by more than 20%). On CPU: small widths,
-    a check of the plumbing."""
-    gpu = dev.startswith("cuda")
-    small = [] if gpu else ["--small", "--steps", "1", "--tokens", "512", "--seq-len", "64", "--rows", "1024"]
-    res: dict = {"ok": True}
-    variants = (
-        ("plain", []),
-        ("checkpointing", ["--checkpointing"]),
-        ("dflash2", ["--architecture", "dflash2"]),
-    )
-    for name, extra in variants:
-        cmd = [sys.executable, ROOT / "bench" / "recipe_step.py", "--device", dev, *small, *extra]
-        rc, text = sh(cmd, 600, out / f"recipe_train_{name}.log")
-        line = next((x for x in reversed(text.splitlines()) if x.startswith("{")), None)
-        if rc != 0 or line is None:
-            return {"ok": False, "error": f"recipe_step.py {name}: rc {rc}", "tail": tail(text, 1500)}
-        r = json.loads(line)
-        ratio = r["measured_over_estimate"]
-        r["ok"] = ratio is None or ratio <= 1.2
-        res[name] = r
-        res["ok"] = res["ok"] and r["ok"]
-    return res
+def child(name: str, dev: str, work: Path, seconds: float, result: Path) -> int:
+    """``--run-step``: run one step here, write its result JSON."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_smoke_steps as steps
+
+    try:
+        res = steps.STEPS[name](work, dev, seconds)
+    except Exception as e:  # noqa: BLE001 - reported as the step's failure
+        traceback.print_exc()
+        res = {"status": "failed", "why": f"{type(e).__name__}: {e}"}
+    result.write_text(json.dumps(res))
+    return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / f"gpu_smoke-{time.strftime('%Y%m%d-%H%M%S')}")
-    ap.add_argument("--skip-tests", action="store_true", help="skip step 1 (pytest -m cuda)")
+    ap.add_argument("--out", type=Path, default=None, help="where gpu_smoke.json and the step logs go")
+    ap.add_argument("--budget-s", type=float, default=500.0, help="wall-clock for every step together")
     ap.add_argument("--device", default="cuda:0", help="cuda:0, or cpu to check this script without a GPU")
-    ap.add_argument("--only", default="", help="run only these steps, e.g. --only tp_extract,train_e2e")
-    args = ap.parse_args()
-    out = args.out.resolve()
+    ap.add_argument("--only", default="", help="run only these steps, e.g. --only recipe_train,train_e2e")
+    ap.add_argument("--skip", default="", help="leave these steps out (reported as skipped)")
+    ap.add_argument("--skip-tests", action="store_true", help="the same as --skip cuda_tests")
+    ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--run-step", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--seconds", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.run_step:
+        return child(a.run_step, a.device, a.work, a.seconds, a.result)
+    t_start = time.time()
+    deadline = t_start + a.budget_s
+    out = (a.out or ROOT / "runs" / f"gpu_smoke-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"ok": False, "out": str(out), "steps": {}}
+    work = (a.work or Path(tempfile.mkdtemp(prefix="dflash-smoke-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    summary: dict = {
+        "ok": False,
+        "status": "incomplete",
+        "budget_s": a.budget_s,
+        "out": str(out),
+        "steps": {},
+    }
+    gpus, dev = 0, a.device
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if missing:
-        summary["error"] = (
-            f"missing Python packages: {', '.join(missing)}; install them (docs/gpu.md: offline "
-            "wheels) or run without DFLASH_USE_SYSTEM_TORCH=1"
+        summary.update(
+            status="failed", error=f"missing Python packages: {', '.join(missing)} (carry them in .whl/)"
         )
-        print(json.dumps(summary))
-        return 2
-    import torch
+    else:
+        import torch
+        import transformers
 
-    summary.update(torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0])
-    gpu = args.device.startswith("cuda")
-    if gpu and not torch.cuda.is_available():
-        summary["error"] = "torch.cuda.is_available() is False: no usable GPU (or a CPU-only torch build)"
-        print(json.dumps(summary))
+        summary.update(
+            torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__
+        )
+        summary["python"] = sys.version.split()[0]
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if dev.startswith("cuda") and not gpus:
+            summary.update(status="failed", error="torch.cuda.is_available() is False: no usable GPU")
+        else:
+            summary["device"] = (
+                torch.cuda.get_device_name(torch.device(dev)) if dev.startswith("cuda") else "cpu"
+            )
+    write_summary(out, summary)
+    if "error" in summary:
+        print(json.dumps(summary), flush=True)
         return 2
-    summary["device"] = torch.cuda.get_device_name(torch.device(args.device)) if gpu else "cpu"
-    import transformers
-
-    summary["transformers"] = transformers.__version__
-    t_all = time.time()
-    steps = [
-        ("cuda_tests", step_cuda_tests),
-        ("hybrid_extract", step_hybrid_extract),
-        ("extract_throughput", step_throughput),
-        ("train_e2e", step_train_e2e),
-        ("recipe_train", step_recipe_train),
-        ("tp_extract", step_tp_extract),
-    ]
-    for name, fn in steps:
-        if (name == "cuda_tests" and args.skip_tests) or (args.only and name not in args.only.split(",")):
+    only = [x for x in a.only.split(",") if x]
+    skip = {x for x in a.skip.split(",") if x} | ({"cuda_tests"} if a.skip_tests else set())
+    cpu = not dev.startswith("cuda")
+    for name in SHARE:
+        if only and name not in only:
             continue
-        t = time.time()
-        print(f"[gpu_smoke] step {name} ...", flush=True)
-        try:
-            res = fn(out) if name == "cuda_tests" else fn(out, args.device)
-        except Exception as e:  # noqa: BLE001 - report and go on with the next step
-            res = {
-                "ok": False,
-                "error": f"{type(e).__name__}: {e}",
-                "tail": tail(traceback.format_exc(), 1500),
+        if name in skip:
+            summary["steps"][name] = {"status": "skipped", "why": "left out (--skip)", "not_required": True}
+            continue
+        if not required(name, dev, gpus):
+            why = "needs 2 GPUs" if not cpu else "a CPU run leaves the tensor-parallel step out"
+            summary["steps"][name] = {"status": "skipped", "why": f"{why}; not required here"}
+            write_summary(out, summary)
+            continue
+        expect, cap = SHARE[name][1 if cpu else 0]
+        left = deadline - time.time() - RESERVE_S
+        if left < expect:
+            summary["steps"][name] = {
+                "status": "skipped",
+                "why": f"budget: {max(0.0, left):.0f} s left, the step needs about {expect} s",
             }
-        res["seconds"] = round(time.time() - t, 1)
+            write_summary(out, summary)
+            continue
+        print(f"[gpu_smoke] step {name} (up to {min(cap, left):.0f} s) ...", flush=True)
+        res = run_step(name, dev, work, min(cap, left), out / f"{name}.log")
         summary["steps"][name] = res
-        print(f"[gpu_smoke] step {name}: {'ok' if res['ok'] else 'FAILED'} ({res['seconds']} s)", flush=True)
-    summary["seconds"] = round(time.time() - t_all, 1)
-    summary["ok"] = all(r["ok"] for r in summary["steps"].values())
-    (out / "gpu_smoke.json").write_text(json.dumps(summary, indent=1) + "\n")
+        summary["seconds"] = round(time.time() - t_start, 1)
+        verdict(summary, dev, gpus)
+        write_summary(out, summary)
+        print(
+            f"[gpu_smoke] step {name}: {res['status']} ({res['seconds']} s) {res.get('why', '')}", flush=True
+        )
+    summary["seconds"] = round(time.time() - t_start, 1)
+    verdict(summary, dev, gpus)
+    write_summary(out, summary)
     print(json.dumps(summary), flush=True)
     return 0 if summary["ok"] else 1
 

@@ -1,45 +1,47 @@
 #!/usr/bin/env bash
-# GPU smoke check for dflash-staged: under 8 minutes on one H100/H200. Run from anywhere:
+# GPU smoke check for dflash-staged, sized for the borrowed GPU machine (one H200, 15 minutes in all,
+# at most 10 a command, nothing fetchable, 8 files back). The documented calls (docs/gpu.md):
 #
-#   bench/gpu_smoke.sh [--out DIR] [--skip-tests]
+#   bench/gpu_smoke.sh --budget-s 500 --out "$OUT/a"                      # call 1: does training fit, how fast
+#   bench/gpu_smoke.sh --budget-s 500 --out "$OUT/b" --skip recipe_train  # call 2: the rest
 #
-# Steps (bench/gpu_smoke.py): the CUDA-marked tests; the kernel preflight + a real extract on a
-# tiny hybrid target (tiny:qwen3_5, bf16: passes with flash-linear-attention + causal-conv1d,
-# refuses without them); extract tokens/s vs a bare forward (goal >= 0.9x); extract + train side
-# by side through the launcher for a few bf16 drafter steps; with 2+ GPUs, a TP=2 extract (NCCL) on a
-# tiny MoE target with a kill -9 of the follower (skipped with one GPU). The last line is one JSON object.
-#
-# Which Python (DFLASH_USE_SYSTEM_TORCH):
-#   1     use ${PYTHON:-python3} as it is (an offline GPU machine with torch, transformers, zarr,
-#         ... preinstalled; this checkout is put on PYTHONPATH; nothing is installed)
-#   0     set up / refresh .venv with bin/_env.sh (pip; needs the package index or a wheelhouse:
-#         PIP_NO_INDEX=1 PIP_FIND_LINKS=/path/to/wheels, see docs/gpu.md)
-#   auto  (default) .venv if it exists with a CUDA torch, else the system Python if it has a
-#         CUDA torch (or a CUDA build of torch that sees no GPU: gpu_smoke.py then says why), else as 0
-# Any failure before gpu_smoke.py starts still ends with one JSON line ({"ok": false, "error": ...}).
+# with `.whl` carried (bench/gpu_wheels.sh fills it on a machine with the package index).
+# Which Python: ${PYTHON:-python3} (the GPU image's own, with CUDA torch), or this checkout's .venv when
+# DFLASH_USE_SYSTEM_TORCH=0 and it exists. When .whl/ holds wheels they are installed first, offline:
+# `pip install --no-index --no-deps --target` a temporary site directory put on PYTHONPATH (the
+# image's torch stays the one used). Steps, budget, verdicts and outputs: bench/gpu_smoke.py.
+# Any failure before gpu_smoke.py starts still writes OUT/gpu_smoke.json and prints one JSON line.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$ROOT"
-fail() { printf '{"ok": false, "error": "%s"}\n' "$1"; exit 2; }
-torch_has() { "$1" -c "import torch, sys; sys.exit(0 if $2 else 1)" >/dev/null 2>&1; }
-mode="${DFLASH_USE_SYSTEM_TORCH:-auto}"
-SYS_PY="${PYTHON:-python3}"
-if [ "$mode" = "auto" ]; then
-  if [ -x .venv/bin/python ] && torch_has .venv/bin/python "torch.cuda.is_available()"; then mode=venv-as-is
-  elif torch_has "$SYS_PY" "torch.cuda.is_available()" || torch_has "$SYS_PY" "torch.version.cuda"; then mode=1
-  else mode=0; fi
+OUT=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  [ "${args[$i]}" = "--out" ] && OUT="${args[$((i + 1))]:-}"
+done
+fail() {
+  local line
+  line=$(printf '{"ok": false, "status": "failed", "error": "%s", "steps": {}}' "$1")
+  [ -n "$OUT" ] && mkdir -p "$OUT" && echo "$line" > "$OUT/gpu_smoke.json"
+  echo "$line"
+  exit 2
+}
+if [ "${DFLASH_USE_SYSTEM_TORCH:-1}" = "0" ] && [ -x "$ROOT/.venv/bin/python" ]; then
+  PY="$ROOT/.venv/bin/python"
+else
+  PY="${PYTHON:-python3}"
 fi
-case "$mode" in
-  1) PY="$SYS_PY"; export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" ;;
-  venv-as-is) PY="$ROOT/.venv/bin/python" ;;
-  *) # In a subshell: _env.sh exits (set -e) on a failure, e.g. pip without network or wheelhouse.
-     # One retry, not pip's five, so an offline machine fails in seconds.
-     ( export PIP_RETRIES="${PIP_RETRIES:-1}"; source "$ROOT/bin/_env.sh" ) >&2  # not in ||: keeps set -e
-     [ $? -eq 0 ] || fail "bin/_env.sh could not set up .venv (pip needs the package index, or a wheelhouse: PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR; with a CUDA torch preinstalled use DFLASH_USE_SYSTEM_TORCH=1; see docs/gpu.md)"
-     PY="$ROOT/.venv/bin/python" ;;
-esac
 command -v "$PY" >/dev/null 2>&1 || fail "no Python at $PY (set PYTHON)"
-echo "[gpu_smoke] python: $PY (DFLASH_USE_SYSTEM_TORCH=${DFLASH_USE_SYSTEM_TORCH:-auto} -> $mode)" >&2
+SITE=""
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+  SITE="${DFLASH_SMOKE_SITE:-${TMPDIR:-/tmp}/dflash-smoke-site}"
+  rm -rf "$SITE"
+  echo "[gpu_smoke] installing $(ls "$ROOT"/.whl/*.whl | wc -l) carried wheels from .whl/ into $SITE (offline)" >&2
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" "$ROOT"/.whl/*.whl >&2 \
+    || fail "pip could not install the carried wheels in .whl/ (one version of each, cp312 or pure Python: bench/gpu_wheels.sh)"
+fi
+export PYTHONPATH="${SITE:+$SITE:}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+echo "[gpu_smoke] python: $PY; PYTHONPATH=$PYTHONPATH" >&2
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 exec "$PY" "$ROOT/bench/gpu_smoke.py" "$@"

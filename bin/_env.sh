@@ -12,8 +12,19 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null || true)" != "$w
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   pip_q=(-q --disable-pip-version-check)
   if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-    # No NVIDIA GPU: take the CPU wheel of torch that lies on local disk, never a multi-GB CUDA build.
-    "$VENV/bin/pip" install "${pip_q[@]}" "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+    # No NVIDIA GPU: the CPU build of torch, never a multi-GB CUDA one. On the public index the name
+    # torch resolves to the CUDA build, so take it from PyTorch's CPU wheel index (DFLASH_TORCH_INDEX
+    # overrides it) when that answers; else from the default index (a mirror or a local wheel).
+    TORCH_INDEX="${DFLASH_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+    if "$VENV/bin/python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip('/') + '/torch/', timeout=5)" \
+        "$TORCH_INDEX" >/dev/null 2>&1; then
+      echo "[setup] torch==2.13.0 (CPU build) from $TORCH_INDEX" >&2
+      "$VENV/bin/pip" install "${pip_q[@]}" --index-url "$TORCH_INDEX" "torch==2.13.0" 2>&1 \
+        | grep -v '^WARNING: Location' >&2 || true
+    else
+      echo "[setup] torch==2.13.0 from the default package index ($TORCH_INDEX does not answer)" >&2
+      "$VENV/bin/pip" install "${pip_q[@]}" "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+    fi
   fi
   "$VENV/bin/pip" install "${pip_q[@]}" -e "$ROOT[$EXTRAS]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
   "$VENV/bin/python" -c "import dflash_staged, torch, zarr, transformers" \

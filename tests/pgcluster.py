@@ -198,7 +198,7 @@ if pytest is not None:
     def pg():
         """The session's PostgreSQL cluster. Without the server binaries or the driver the tests that use
         it are skipped, naming what to install; with DFLASH_REQUIRE_POSTGRES=1 (CI) they fail instead."""
-        from dflash_staged.manifest.pg_conn import driver
+        from dflash_staged.manifest.postgres.conn import driver
         from dflash_staged.manifest.states import ManifestError
 
         required = os.environ.get(REQUIRE_ENV) == "1"

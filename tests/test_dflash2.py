@@ -116,8 +116,21 @@ def test_dpace_weights_by_hand():
     terms = [prods[0], prods[1], 0.0, prods[3]]  # invalid offsets add no term
     want = [sum(terms[j:]) if v else 0.0 for j, v in enumerate(valid[0].tolist())]
     torch.testing.assert_close(dpace_weights(p, valid)[0], torch.tensor(want))
-    assert alpha_at(0, 100, 1.0, 0.1, 0.2) == 0.0 and alpha_at(20, 100, 1.0, 0.1, 0.2) == 0.5
+    # SpecForge's schedule: whole steps (int(ratio x total)), then a ramp one step ahead
+    assert alpha_at(0, 100, 1.0, 0.1, 0.2) == 0.0 and alpha_at(9, 100, 1.0, 0.1, 0.2) == 0.0
+    assert alpha_at(10, 100, 1.0, 0.1, 0.2) == pytest.approx(0.05)
+    assert alpha_at(20, 100, 1.0, 0.1, 0.2) == pytest.approx(0.55)
     assert alpha_at(50, 100, 2.0, 0.1, 0.2) == 2.0 and alpha_at(5, 100, 1.0, 0.0, 0.0) == 1.0
+    assert alpha_at(0, 100, 1.0, 0.0, 0.01) == 1.0  # warmup 0, a one-step ramp: full weight at once
+    # SpecForge's DFlash2 example (warmup and ramp 0.0005) over 20,000 steps: 10 steps each
+    assert [alpha_at(s, 20_000, 1.0, 0.0005, 0.0005) for s in (9, 10, 14, 19, 20)] == [
+        0.0,
+        0.1,
+        0.5,
+        1.0,
+        1.0,
+    ]
+    assert alpha_at(3, 100, 0.0, 0.0, 0.5) == 0.0
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])
@@ -278,3 +291,38 @@ def test_reference_dflash2_loads_our_checkpoint_and_agrees(tmp_path):
         )
         theirs = F.linear(h[0, 1:], ours.lm_head_weight)
         torch.testing.assert_close(ours.draft_block(b["hidden"], 77), theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_with_selector_alpha_0_the_selector_is_left_out_of_the_optimizer():
+    """As SpecForge: no selector term, no selector training (issue 35, item 5)."""
+    from dflash_staged.config import TrainConfig
+    from dflash_staged.train.trained_drafter import DrafterModel
+
+    m = make_drafter(**V2)
+    model = DrafterModel(m, TrainConfig(selector_alpha=0.0), torch.device("cpu"), 0)
+    assert model.params and not any("selector" in n for n in model.params)
+    m2 = make_drafter(**V2)
+    assert any("selector" in n for n in DrafterModel(m2, TrainConfig(), torch.device("cpu"), 0).params)
+
+
+def test_the_walk_breaks_ties_as_the_reference_and_scores_in_the_logits_dtype():
+    """The served walk takes ``topk(sorted=False)`` and scores in the logits' dtype: with every score
+    equal the reference's argmax picks the first candidate in that order (issue 35, item 4)."""
+    m = make_drafter(**V2).eval()
+    sel = m.selector
+    logits = torch.zeros(1, 3, 300)
+    logits[0, :, 40:45] = 2.0  # five candidates tie at the top of every offset's unary logits
+    hidden = torch.randn(1, 3, 64)
+    path, cand, q = sel.walk(logits, hidden, torch.tensor([7]))
+    unary, order = logits.topk(sel.top_k, dim=-1, sorted=False)
+    assert torch.equal(cand, order)  # the reference's candidates, in its order
+    # the successor codebook starts at 0: every score is the unary logit, ties at 2.0 everywhere
+    first = [int(order[0, j][(unary[0, j] == unary[0, j].max()).nonzero()[0, 0]]) for j in range(3)]
+    assert path[0].tolist() == first
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0, 0.5)
+    half = sel.walk(logits.to(torch.bfloat16), hidden.to(torch.bfloat16), torch.tensor([7]))
+    sel_f = sel.walk(logits, hidden, torch.tensor([7]))
+    assert (
+        half[0].shape == sel_f[0].shape
+    )  # bf16 logits are scored in bf16 (they may differ: docs/dflash2.md)

@@ -83,3 +83,95 @@ def test_reference_model_loads_a_sliding_window_checkpoint(tmp_path):
     for name, p in ref.state_dict().items():
         if name in ours.state_dict():
             torch.testing.assert_close(p, ours.state_dict()[name])
+
+
+def _reference_pair(tmp_path, ref_mod, *, is_causal, sliding=False, architecture="dflash"):
+    """The tiny target (its HF model for the reference harness, our Target for ours) and one drafter
+    checkpoint (started from the target's top layers, so drafts are often accepted), loaded by both."""
+    from dflash_staged.model.init import init_from_target
+    from dflash_staged.model.target import load_target
+    from dflash_staged.model.weights import load_drafter
+
+    tcfg = TargetConfig(model="tiny:qwen3")
+    target = load_target(tcfg, "cpu", layer_ids=[1, 3])
+    cfg = load_config("configs/tiny.toml")
+    cfg.drafter.dtype = "float32"
+    cfg.drafter.is_causal = is_causal
+    cfg.drafter.intermediate_size = 256
+    cfg.drafter.architecture = architecture
+    cfg.drafter.conv_group_size, cfg.drafter.selector_rank, cfg.drafter.selector_top_k = 16, 16, 8
+    if sliding:
+        cfg.drafter.layer_types = ["sliding_attention", "full_attention"]
+        cfg.drafter.sliding_window = 12
+    embed, head = load_embed_and_head(tcfg)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DraftModelConfig.from_config(cfg, 128, 2048, 6, [1, 3], MASK), embed, head)
+    init_from_target(d, tcfg)
+    if architecture == "dflash2":  # a selector that changes the walk (its successor codebook starts at 0)
+        with torch.no_grad():
+            d.selector.successor_codebook.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    save_drafter(d, tmp_path / "ckpt")
+    ours = load_drafter(tmp_path / "ckpt", embed, head, device="cpu", dtype=torch.float32)
+    cls = ref_mod.DFlash2DraftModel if architecture == "dflash2" else ref_mod.DFlashDraftModel
+    ref = cls.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
+    ref.config._attn_implementation = "sdpa"
+    return target, ours, ref
+
+
+@needs_ref
+@pytest.mark.parametrize(
+    "setup",
+    [
+        {"is_causal": False},
+        {"is_causal": True},
+        {"is_causal": False, "sliding": True},
+        {"is_causal": False, "architecture": "dflash2"},
+    ],
+)
+@pytest.mark.parametrize("max_new", [24, 29])  # a multiple of the block size (8), and not
+def test_eval_takes_the_reference_harnesss_steps_to_the_last_token(tmp_path, setup, max_new):
+    """``speculative_generate`` against the reference ``dflash_generate`` on the same target and drafter:
+    the same tokens and the same acceptance length at every verify step, the last (shortened)
+    blocks included (issue 35, item 1)."""
+    import time
+
+    from dflash_staged.evaluate.speculative import DrafterProposer, speculative_generate
+
+    ref_mod = reference_module()
+    ref_mod._cuda_time = time.perf_counter  # its timing synchronises CUDA: on a CPU, plain time
+    target, ours, ref = _reference_pair(tmp_path, ref_mod, **setup)
+    drafts = {"ours": [], "ref": []}  # every block's drafts, as each side drafted them
+
+    class Recording(DrafterProposer):
+        def propose(self, *a, **k):
+            out = super().propose(*a, **k)
+            drafts["ours"].append(out.tolist())
+            return out
+
+    real = type(ref).compute_logits
+
+    def compute_logits(model, hidden, head):
+        logits = real(model, hidden, head)
+        drafts["ref"].append(logits[0].argmax(-1).tolist())
+        return logits
+
+    type(ref).compute_logits = compute_logits
+    g = torch.Generator().manual_seed(1)
+    total = 0
+    try:
+        for n in (5, 17, 40):
+            prompt = torch.randint(4, 1500, (n,), generator=g)
+            mine = speculative_generate(target, Recording(ours), prompt, max_new, ())
+            theirs = ref_mod.dflash_generate(
+                ref, target.model, prompt[None], max_new, None, return_stats=True
+            )
+            assert mine.tokens == theirs.output_ids[0, n:].tolist(), (setup, n)
+            assert mine.accepted == list(theirs.acceptance_lengths), (setup, n)
+            # the blocks' drafts too: the last ones drafted short (the accepted lengths alone rarely show it);
+            # DFlash2's are its walk's (compared above through the tokens and lengths), not the unary argmax
+            if setup.get("architecture") != "dflash2":
+                assert drafts["ours"] == drafts["ref"], (setup, n)
+            total += sum(a > 1 for a in mine.accepted)
+    finally:
+        type(ref).compute_logits = real
+    assert total > 0  # some drafts were accepted: the comparison is not between empty walks

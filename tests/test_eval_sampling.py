@@ -198,7 +198,14 @@ def test_verify_law_by_hand_and_verify_draws_from_it():
 def test_settings_are_checked_and_described():
     assert SamplingSettings().describe()["mode"] == "greedy" and SamplingSettings().label() == "greedy"
     s = SamplingSettings(1.0, 0.95, 20, 7)
-    assert s.describe() == {"mode": "sampled", "temperature": 1.0, "top_p": 0.95, "top_k": 20, "seed": 7}
+    assert s.describe() == {
+        "mode": "sampled",
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "top_k": 20,
+        "seed": 7,
+        "draft_sampling": "filtered",
+    }
     assert s.label() == "T=1, top-p 0.95, top-k 20, seed 7"
     for bad, flag in [((-1.0,), "--temperature"), ((1.0, 0.0), "--top-p"), ((1.0, 1.0, -1), "--top-k")]:
         with pytest.raises(DflashError, match=flag):
@@ -344,6 +351,7 @@ def test_cli_reports_greedy_and_sampled_tau_with_settings(tmp_path, checkpoint):
         "top_p": 0.9,
         "top_k": 40,
         "seed": 3,
+        "draft_sampling": "filtered",
     }
     assert r["tau"] == greedy["tau"] and r["sampling"] == greedy["sampling"]  # the top level: the first run
     assert greedy["lossless"] == {"identical_prompts": 2, "prompts": 2} and "lossless" not in sampled
@@ -378,3 +386,18 @@ def test_cuda_bf16_sampled_speculative_decoding():
     # bf16 block verification may round differently from the oracle's one-token forwards: not exact
     acc = speculative_generate(t, SamplingOracle(t), p, n, sampler=s).accepted
     assert sum(acc) / len(acc) >= B / 2
+
+
+def test_a_v1_proposal_takes_the_targets_top_k_and_top_p_as_the_reference_draws_it():
+    """The reference draws DFlash v1 drafts from the same transform as the target's (temperature, top-k,
+    top-p); "temperature" keeps the temperature alone (issue 35, item 2)."""
+    from dflash_staged.evaluate.sampling import Sampler, SamplingSettings, target_probs
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    s = Sampler(SamplingSettings(0.7, top_p=0.8, top_k=10, seed=1))
+    drafts, q = s.propose(logits)
+    torch.testing.assert_close(q, target_probs(logits, 0.7, 10, 0.8))
+    assert all(q[i, d] > 0 for i, d in enumerate(drafts.tolist()))  # drawn from q: never a filtered token
+    assert int((q > 0).sum(-1).max()) <= 10
+    t = Sampler(SamplingSettings(0.7, top_p=0.8, top_k=10, seed=1, draft_sampling="temperature"))
+    torch.testing.assert_close(t.propose(logits)[1], (logits / 0.7).softmax(-1))

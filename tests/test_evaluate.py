@@ -307,3 +307,34 @@ def test_cuda_bf16_speculative_decoding():
     # exact
     oracle = Oracle(p.tolist() + ref, strict=False)
     assert acceptance_stats(speculative_generate(t, oracle, p, n).accepted, B)["tau"] >= B / 2
+
+
+class SizedOracle(Oracle):
+    """An Oracle that, as DrafterProposer, drafts a shorter block when asked (records the sizes)."""
+
+    sized = True
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.sizes = []
+
+    def propose(self, context, tokens, size=None):
+        self.sizes.append(size)
+        out = super().propose(context, tokens)
+        return out[: (size or self.block_size) - 1]
+
+
+def test_the_last_block_is_drafted_short_and_its_bonus_dropped_as_the_reference_does(dense):
+    """With r new tokens to go the reference verifies the anchor and min(B-1, r) drafts, runs the
+    drafter on that shorter block, and commits at most r tokens: an accepted block's bonus past
+    max_new_tokens is discarded (issue 35, item 1)."""
+    p = prompt()
+    n = 1 + 2 * B + 3  # the prefill token, two full blocks, then 3 tokens to go
+    ref = p.tolist() + greedy_generate(dense, p, n + B)
+    oracle = SizedOracle(ref)
+    out = speculative_generate(dense, oracle, p, n)
+    assert out.tokens == ref[len(p) : len(p) + n]
+    assert out.accepted == [B, B, 3]  # 3 drafts accepted, the bonus dropped
+    assert oracle.sizes == [None, None, 4]  # the anchor and 3 drafts: the last block drafted short
+    plain = Oracle(ref)
+    assert speculative_generate(dense, plain, p, n).accepted == [B, B, 3]  # a proposer without sizes: cut

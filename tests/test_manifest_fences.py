@@ -11,7 +11,8 @@ import pytest
 import torch
 from test_manifest import make
 
-from dflash_staged.manifest import Manifest, ManifestError, pg_procs
+from dflash_staged.manifest import Manifest, ManifestError
+from dflash_staged.manifest.postgres import procs as pg_procs
 from dflash_staged.store import ShardStore, StoreMeta
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from dflash_staged.manifest import Manifest, ManifestError
-from dflash_staged.manifest.pg_conn import DRIVER
+from dflash_staged.manifest.postgres.conn import DRIVER
 
 from helpers import ROOT, cli, env, plan, write_config, write_dataset
 from pgcluster import free_port

@@ -393,3 +393,42 @@ def test_bf16_checkpoint_and_bf16_inputs(tmp_path, tiny_head):
     loss, _ = dflash_loss(m32, b_, 8, 4.0, torch.Generator().manual_seed(0))
     loss.backward()
     assert torch.isfinite(loss) and m32.fc.weight.grad is not None
+
+
+def test_config_json_fields_read_as_the_reference_reads_them():
+    """output_multiplier, final_logit_softcapping and input_embedding_scale from dflash_config, else from
+    the top level; a negative softcap is refused; the scale survives the round trip (issue 35, item 3)."""
+    from dflash_staged.errors import DflashError
+    from dflash_staged.model.config_json import DraftModelConfig
+
+    from helpers import make_drafter
+
+    d = make_drafter().dcfg.to_dict()
+    d["final_logit_softcapping"] = 30.0  # top level, as some released configs put it
+    d["input_embedding_scale"] = 2.0
+    c = DraftModelConfig.from_dict(d)
+    assert c.final_logit_softcapping == 30.0 and c.input_embedding_scale == 2.0
+    again = c.to_dict()
+    assert again["dflash_config"]["final_logit_softcapping"] == 30.0
+    assert again["dflash_config"]["input_embedding_scale"] == 2.0
+    assert DraftModelConfig.from_dict(again) == c
+    d["dflash_config"]["final_logit_softcapping"] = 20.0  # dflash_config wins
+    assert DraftModelConfig.from_dict(d).final_logit_softcapping == 20.0
+    d["dflash_config"]["final_logit_softcapping"] = -30.0
+    with pytest.raises(DflashError, match="final_logit_softcapping=-30.0 must be > 0"):
+        DraftModelConfig.from_dict(d)
+
+
+def test_input_embedding_scale_scales_the_blocks_inputs_in_training_and_eval():
+    import torch
+
+    from helpers import make_drafter, packed_batch
+
+    a, b = make_drafter().eval(), make_drafter(input_embedding_scale=3.0).eval()
+    tok = torch.tensor([5])
+    torch.testing.assert_close(b._block_input(tok), 3.0 * a._block_input(tok))
+    batch = packed_batch([20])
+    with torch.no_grad():
+        assert not torch.allclose(
+            a.draft_block(batch["hidden"][:10], 5), b.draft_block(batch["hidden"][:10], 5)
+        )

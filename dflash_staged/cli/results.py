@@ -98,6 +98,21 @@ from dflash_staged.errors import user_errors
     show_default=True,
     help="Seed of the sampling generators at T > 0 (each prompt draws from its own).",
 )
+@click.option(
+    "--draft-sampling",
+    type=click.Choice(["filtered", "temperature"]),
+    default="filtered",
+    show_default=True,
+    help="A DFlash (v1) drafter's proposal at T > 0: with the target's top-k and top-p, as the reference "
+    "draws it (filtered), or at the temperature alone. Both are lossless; tau differs.",
+)
+@click.option(
+    "--time-budget-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Start no prompt once this many seconds have passed (at least one runs); the report says how "
+    "many ran.",
+)
 @user_errors
 def eval_cmd(
     drafter_path,
@@ -116,6 +131,8 @@ def eval_cmd(
     top_p,
     top_k,
     seed,
+    draft_sampling,
+    time_budget_s,
 ):
     """Speculative decoding with the target, greedy or sampled (lossless rejection sampling):
     acceptance length tau, tokens/s vs plain decoding."""
@@ -126,7 +143,7 @@ def eval_cmd(
     from dflash_staged.fsutil import write_json_atomic
 
     kwargs = parse_json_object(chat_kwargs, "--chat-template-kwargs")
-    sampling = [SamplingSettings(t, top_p, top_k, seed) for t in _temperatures(temperatures)]
+    sampling = [SamplingSettings(t, top_p, top_k, seed, draft_sampling) for t in _temperatures(temperatures)]
     report = run_eval(
         drafter_path,
         target_spec,
@@ -138,6 +155,7 @@ def eval_cmd(
         chat_template_kwargs=kwargs,
         chat_template=chat_template,
         sampling=sampling,
+        time_budget_s=time_budget_s,
     )
     if plot_path:
         from dflash_staged.evaluate.plot import plot_eval

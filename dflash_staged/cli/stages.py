@@ -156,6 +156,13 @@ def extract(
     help="The learning-rate (and noise) schedule's length [default: one pass over the data].",
 )
 @click.option(
+    "--time-budget-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop (with a checkpoint) after this many seconds of training, however many steps that is; the "
+    "learning-rate schedule is refitted to the steps the time left affords, so it still ends at 0.",
+)
+@click.option(
     "--nproc",
     type=click.IntRange(min=1),
     default=1,
@@ -183,6 +190,7 @@ def train(
     no_verify,
     max_steps,
     total_steps,
+    time_budget_s,
     nproc,
     tensorboard,
     init_from,
@@ -218,6 +226,7 @@ def train(
         total_steps=total_steps,
         tensorboard=tensorboard,
         init_from=init_from,
+        time_budget_s=time_budget_s,
     )
     trainer = build_trainer(opts)
     finished = False

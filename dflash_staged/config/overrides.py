@@ -37,6 +37,7 @@ REPLAY_OVERRIDABLE = {
         "selector_top_k",
         "output_multiplier",
         "final_logit_softcapping",
+        "input_embedding_scale",
     },
     "train": {f.name for f in fields(TrainConfig)},
 }

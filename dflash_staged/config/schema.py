@@ -184,6 +184,9 @@ class DrafterConfig:
     # included): u = s * tanh(m * logit / s) with s = final_logit_softcapping > 0, else m * logit.
     output_multiplier: float = 1.0
     final_logit_softcapping: float = 0.0
+    # The block's input embeddings (anchor and mask tokens) times this, in training and serving
+    # (the reference's dflash_config.input_embedding_scale).
+    input_embedding_scale: float = 1.0
 
     def __post_init__(self) -> None:
         _check(
@@ -230,6 +233,7 @@ class DrafterConfig:
             self.output_multiplier > 0 and self.final_logit_softcapping >= 0,
             "drafter.output_multiplier must be > 0 and final_logit_softcapping >= 0 (0 = none)",
         )
+        _check(self.input_embedding_scale > 0, "drafter.input_embedding_scale must be > 0")
 
 
 @dataclass
@@ -241,7 +245,8 @@ class ExtractConfig:
     # 0 = lease_s, so no rank waits longer than a claim lives.
     collective_timeout_s: float = 0.0
     # How long a registered process (extractor, trainer) counts as alive, seen from another host, after
-    # its last heartbeat (it beats every 1/4 of it; PostgreSQL manifests, manifest/pg_procs.py); 0 = lease_s.
+    # its last heartbeat (it beats every 1/4 of it; PostgreSQL manifests, manifest/postgres/procs.py);
+    # 0 = lease_s.
     registration_liveness_s: float = 0.0
     max_attempts: int = 3  # a job whose extraction failed this many times is marked failed, not retried
     compression: str = "none"  # compression of the shards' tensors: none | zstd

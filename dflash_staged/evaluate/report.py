@@ -74,6 +74,7 @@ def run_eval(
     chat_template_kwargs: dict | None = None,
     chat_template: str | Path | None = None,
     sampling: SamplingSettings | list[SamplingSettings] | None = None,
+    time_budget_s: float | None = None,
 ) -> dict:
     """Speculative decoding of every prompt (and plain greedy, unless ``baseline=False``): the report.
 
@@ -81,6 +82,8 @@ def run_eval(
     (the checkpoint's record, updated by `chat_template_kwargs`, template replaced by `chat_template`).
     ``sampling``: one setting or several (default greedy); each is one decoding of every prompt, and
     the report's top level is the first one's, with ``runs`` listing all of them when there are several.
+    ``time_budget_s``: no prompt starts once that much time has passed (from the models' loading on;
+    each setting gets an equal share, and at least one prompt): the report then says how many ran.
     """
     from dflash_staged.config import target_from_spec
     from dflash_staged.model.dims import target_dims
@@ -129,10 +132,17 @@ def run_eval(
     stop = stop_token_ids(target.model, tok_cache[0] if tok_cache else None)
     proposer = DrafterProposer(drafter)
     greedy_generate(target, prompts[0][1], 2, stop)  # warm-up: first-call overheads stay out of the timings
-    runs = [
-        _decode_all(target, proposer, prompts, max_new_tokens, stop, s, baseline, quiet)
-        for s in _settings_list(sampling)
-    ]
+    settings = _settings_list(sampling)
+    runs = []
+    for i, s in enumerate(settings):
+        deadline = None
+        if time_budget_s:  # this setting's share of what is left
+            deadline = time.perf_counter() + (time_budget_s - (time.perf_counter() - t0)) / (
+                len(settings) - i
+            )
+        runs.append(
+            _decode_all(target, proposer, prompts, max_new_tokens, stop, s, baseline, quiet, deadline)
+        )
     report = dict(runs[0])
     if len(runs) > 1:
         report["runs"] = runs
@@ -163,8 +173,11 @@ def prompt_seed(seed: int, line: int) -> int:
     return (int(seed) * 1_000_003 + int(line)) % (2**63)
 
 
-def _decode_all(target, proposer, prompts, max_new_tokens, stop, settings, baseline, quiet) -> dict:
-    """Every prompt speculatively (and plainly, with ``baseline``) at one sampling setting: its run."""
+def _decode_all(
+    target, proposer, prompts, max_new_tokens, stop, settings, baseline, quiet, deadline=None
+) -> dict:
+    """Every prompt speculatively (and plainly, with ``baseline``) at one sampling setting: its run;
+    past ``deadline`` (``time.perf_counter()``) no further prompt starts."""
     block = proposer.block_size
     spec, plain = Sampler(settings), Sampler(settings)
     accepted_all: list[int] = []
@@ -173,7 +186,12 @@ def _decode_all(target, proposer, prompts, max_new_tokens, stop, settings, basel
     per_prompt = []
     prompt_taus: list[float] = []
     label = settings.label()
+    asked = len(prompts)
     for i, (line, ids) in enumerate(prompts):
+        if i and deadline is not None and time.perf_counter() > deadline:
+            _say(f"{label}: time budget spent after {i} of {asked} prompts", quiet)
+            prompts = prompts[:i]
+            break
         spec.reseed(prompt_seed(settings.seed, line))
         plain.reseed(prompt_seed(settings.seed, line))
         t = time.perf_counter()
@@ -211,6 +229,7 @@ def _decode_all(target, proposer, prompts, max_new_tokens, stop, settings, basel
         "block_size": block,
         "tau_per_prompt_mean": sum(prompt_taus) / len(prompt_taus) if prompt_taus else 0.0,
         "prompts": len(prompts),
+        "prompts_asked": asked,
         "max_new_tokens": max_new_tokens,
         "speculative": {
             "tokens": int(spec_tok),

@@ -11,8 +11,10 @@ Contract (the tests check it exactly on a toy vocabulary):
 * **Proposal** ``q`` of the ``n`` drafts of a block, one row per draft: dense ``[n, V]``, or sparse
   (:class:`SparseQ`: candidate ids ``[n, K]`` and their probabilities ``[n, K]``, zero elsewhere). A
   draft must have been drawn from its row (row ``k`` may depend on drafts ``1..k-1``). A DFlash v1
-  drafter's ``q`` is ``softmax(logits / T)`` over the vocabulary (:meth:`Sampler.propose`): only the
-  temperature, as the reference and the serving engines apply it; top-k/top-p act on the target side.
+  drafter's ``q`` (:meth:`Sampler.propose`) is, by default (``draft_sampling="filtered"``), the same
+  transform as the target's (temperature, top-k, top-p) applied to the drafter's logits, as the
+  reference ``dflash_generate`` draws its drafts; ``"temperature"`` keeps the temperature alone,
+  ``softmax(logits / T)``. Both are lossless; the acceptance length differs.
 * **Verification** (:meth:`Sampler.verify`): draft ``k`` is accepted with probability
   ``min(1, p_k(d_k) / q_k(d_k))`` (:func:`acceptance_probs`), in order; at the first rejection the
   step's last token is drawn from ``normalize(max(0, p_k - q_k))`` (:func:`residual_probs`; from
@@ -51,8 +53,11 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    draft_sampling: str = "filtered"  # a v1 drafter's proposal: "filtered" (the reference) or "temperature"
 
     def __post_init__(self):
+        if self.draft_sampling not in ("filtered", "temperature"):
+            raise DflashError(f"--draft-sampling {self.draft_sampling!r}: use filtered or temperature")
         if not self.temperature >= 0:
             raise DflashError(f"--temperature {self.temperature}: expected a number >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
@@ -74,6 +79,7 @@ class SamplingSettings:
             "top_p": float(self.top_p),
             "top_k": int(self.top_k),
             "seed": int(self.seed),
+            "draft_sampling": self.draft_sampling,
         }
 
     def label(self) -> str:
@@ -212,9 +218,12 @@ class Sampler:
         return int(self.sample(self.probs(logits[None]))[0])
 
     def propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A DFlash v1 proposal from drafter logits ``[n, V]``: drafts ``[n]`` drawn from
-        ``q = softmax(logits / T)``, and ``q`` (dense)."""
-        q = (_wide(logits) / self.temperature).softmax(-1)
+        """A DFlash v1 proposal from drafter logits ``[n, V]``: drafts ``[n]`` drawn from ``q`` (the
+        module docstring: the target's transform, or the temperature alone), and ``q`` (dense)."""
+        if self.settings.draft_sampling == "filtered":
+            q = self.probs(logits)
+        else:
+            q = (_wide(logits) / self.temperature).softmax(-1)
         return self.sample(q), q
 
     def verify(self, drafts: torch.Tensor, q, logits: torch.Tensor) -> tuple[int, int]:

@@ -23,8 +23,12 @@ Contract (as the reference z-lab ``dflash_generate``; the tests hold it to it):
   rejection) or from ``p`` after the last draft (the bonus). The step commits ``a + 1`` tokens as
   above, and the output is distributed exactly as sampling the target token by token.
   ``sampler=None`` or temperature 0 is the greedy step above.
-* **Stop** after ``max_new_tokens`` new tokens (the last block is shortened so it never runs
-  past them) or at a stop token (output ends with it).
+* **Stop** after ``max_new_tokens`` new tokens or at a stop token (output ends with it). The last
+  blocks are shortened as the reference ``dflash_generate`` does: with ``r`` new tokens still to
+  come, the verified block is ``[anchor, d_1 .. d_n]`` with ``n = min(B-1, r)`` drafts, the proposer
+  drafts that shorter block (a proposer with ``sized = True`` runs its drafter on ``n + 1``
+  positions, which changes the drafts under bidirectional attention; others are truncated), and
+  the step commits at most ``r`` tokens: a bonus past ``max_new_tokens`` is discarded.
 * **Acceptance length** ``tau`` = tokens committed per verify step (prefill token excluded):
   1.0 without a drafter, at most ``B``. Per-position rate ``k`` (1..B-1) = share of verify
   steps that committed draft ``k``, so ``tau = 1 + sum(rates)``.
@@ -75,7 +79,9 @@ class Proposer(Protocol):
 class DrafterProposer:
     """Drafts of a DFlash drafter (v1, or DFlash2 through its selector's walk), greedy or sampled.
     The context is fused once per position; with ``kv_cache`` (default) its keys/values are cached
-    too, else recomputed every step."""
+    too, else recomputed every step. ``propose(..., size=n)`` drafts a block of ``n`` positions."""
+
+    sized = True
 
     def __init__(self, drafter, kv_cache: bool = True):
         self.drafter = drafter.eval()
@@ -89,9 +95,11 @@ class DrafterProposer:
         self._fused: torch.Tensor | None = None
         self._cache = DraftCache()
 
-    def _draft(self, context: torch.Tensor, anchor: torch.Tensor, S: int):
-        """The block's logits ``[B-1, V]`` (with a selector: ``(logits, hidden)``)."""
+    def _draft(self, context: torch.Tensor, anchor: torch.Tensor, S: int, size: int | None = None):
+        """The block's logits ``[B-1, V]`` (with a selector: ``(logits, hidden)``); ``size``: a shorter
+        block of that many positions."""
         extra = {"return_hidden": True} if self.selector is not None else {}
+        extra["size"] = size
         if self.kv_cache:
             if self._cache.length > S:
                 self._cache.crop(S)  # only committed positions stay
@@ -106,10 +114,10 @@ class DrafterProposer:
         return self.drafter.draft_block(self._fused, anchor, anchor_pos=S, fused=True, **extra)
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, tokens: torch.Tensor, sampler=None):
+    def propose(self, context: torch.Tensor, tokens: torch.Tensor, sampler=None, size: int | None = None):
         S = context.shape[0]
         anchor = tokens[S].to(self.device)
-        out = self._draft(context, anchor, S)
+        out = self._draft(context, anchor, S, size)
         sampled = sampler is not None and not sampler.greedy
         if self.selector is None:
             return sampler.propose(out) if sampled else out.argmax(-1)
@@ -164,16 +172,19 @@ def speculative_generate(
     s = P  # position of the anchor (the last committed token)
     if new[0] in stop:
         return SpecOutput(new, accepted)
+    sized = getattr(proposer, "sized", False)
     while len(new) < max_new_tokens:
-        size = min(B, max_new_tokens - len(new))  # never commit more than asked for
+        left = max_new_tokens - len(new)  # new tokens still to come
+        size = min(B, left + 1)  # the verified block: the anchor and at most `left` drafts
         block = tokens[s : s + 1].clone()
         q = None
+        kw = {"size": size} if sized and size < B else {}
         if size > 1 and sampled:
-            drafts, q = proposer.propose(ctx[:s], tokens[: s + 1], sampler)
+            drafts, q = proposer.propose(ctx[:s], tokens[: s + 1], sampler, **kw)
             drafts, q = drafts[: size - 1], proposal_rows(q, size - 1)
             block = torch.cat([block, drafts.to(block)])
         elif size > 1:
-            drafts = proposer.propose(ctx[:s], tokens[: s + 1])[: size - 1]
+            drafts = proposer.propose(ctx[:s], tokens[: s + 1], **kw)[: size - 1]
             block = torch.cat([block, drafts.to(block)])
         snapshot = copy.deepcopy(cache) if size > 1 and not target.supports_crop else None
         logits, vtaps, cache = target.forward_with_taps(block[None], cache)
@@ -183,7 +194,7 @@ def speculative_generate(
             posterior = logits[0].argmax(-1)
             a = int((block[1:] == posterior[:-1]).long().cumprod(0).sum())
             last = int(posterior[a])
-        commit = block[1 : a + 1].tolist() + [last]
+        commit = (block[1 : a + 1].tolist() + [last])[:left]  # a bonus past max_new_tokens is discarded
         end = _first_stop(commit, stop)
         commit = commit if end is None else commit[: end + 1]
         tokens[s + 1 : s + 1 + len(commit)] = torch.tensor(commit, device=tokens.device)

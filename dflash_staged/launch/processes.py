@@ -158,6 +158,17 @@ def _names_device(train_args) -> bool:
     return any(a == "--device" or a.startswith("--device=") for a in train_args)
 
 
+def _device_arg(train_args) -> str:
+    """The trainer's ``--device`` among its arguments (``cpu`` when none is given)."""
+    args = list(train_args)
+    for i, a in enumerate(args):
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+        if a == "--device" and i + 1 < len(args):
+            return args[i + 1]
+    return "cpu"
+
+
 def train_device(devices: str) -> str:
     """The pipeline trainer's ``--device`` for extract ``devices``: ``cpu`` when every one is a CPU,
     else the first CUDA device (``cuda:1,cuda:2`` -> ``cuda:1``)."""
@@ -189,6 +200,9 @@ def pipeline_layout(
     env_ex, env_tr = base_env(), base_env()
     if not _names_device(extra):
         extra += ("--device", train_device(devices))
+    train_on = _device_arg(extra)
+    if train_on.startswith("cuda") and train_on in {d.strip() for d in devices.split(",")}:
+        env_tr["DFLASH_TRAIN_SHARES_GPU_WITH_EXTRACT"] = "1"  # its row budget leaves the target's memory
     cpu_devs = [d for d in devices.split(",") if d.strip() == "cpu"]
     if len(cpu_devs) == len(devices.split(",")):
         # Share the cores: half to the extract workers, half to the trainer (oversubscribed threads

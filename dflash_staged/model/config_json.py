@@ -14,9 +14,11 @@ whenever it is set (the reference and SGLang then apply it to every layer).
 
 A DFlash2 drafter (``architecture="dflash2"``) is ``architectures: ["DFlash2DraftModel"]``
 with ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` in
-``dflash_config`` (z-lab's released ``Qwen3.8-27B-DFlash2`` layout); ``output_multiplier`` and
-``final_logit_softcapping`` go there too, for either architecture, when they are set.
-:meth:`DraftModelConfig.from_dict` reads ours and the released drafters' files.
+``dflash_config`` (z-lab's released ``Qwen3.8-27B-DFlash2`` layout); ``output_multiplier``,
+``final_logit_softcapping`` and ``input_embedding_scale`` (the block's input embeddings are multiplied
+by it) go there too, for either architecture, when they are set. :meth:`DraftModelConfig.from_dict`
+reads ours and the released drafters' files, and these fields as the reference does: from
+``dflash_config``, else from the top level; a negative softcap is refused.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class DraftModelConfig:
     selector_top_k: int = 16
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None  # None or 0 = no softcapping
+    input_embedding_scale: float = 1.0  # the block's input embeddings are multiplied by it
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on round trip
 
     def __post_init__(self) -> None:
@@ -122,7 +125,15 @@ class DraftModelConfig:
                 f"selector_top_k={self.selector_top_k} must lie in 1..vocab_size={self.vocab_size}",
             )
         need(self.output_multiplier > 0, f"output_multiplier={self.output_multiplier} must be > 0")
-        self.final_logit_softcapping = self.final_logit_softcapping or None
+        need(
+            self.final_logit_softcapping is None or float(self.final_logit_softcapping) >= 0,
+            f"final_logit_softcapping={self.final_logit_softcapping} must be > 0 (or absent, or 0: none)",
+        )
+        need(
+            self.input_embedding_scale > 0,
+            f"input_embedding_scale={self.input_embedding_scale} must be > 0",
+        )
+        self.final_logit_softcapping = float(self.final_logit_softcapping or 0) or None
         self.layer_types = list(self.layer_types) or [FULL] * self.num_hidden_layers
         why = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, "")
         need(why is None, why or "")
@@ -181,6 +192,7 @@ class DraftModelConfig:
             selector_top_k=d.selector_top_k,
             output_multiplier=d.output_multiplier,
             final_logit_softcapping=d.final_logit_softcapping or None,
+            input_embedding_scale=d.input_embedding_scale,
         )
 
     @property
@@ -210,6 +222,8 @@ class DraftModelConfig:
             dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
         if self.is_causal is not None:
             d["is_causal"] = self.is_causal
         d.update(
@@ -317,8 +331,9 @@ class DraftModelConfig:
                 is_causal=None if causal is None else bool(causal),
                 architecture=kind,
                 **v2,
-                output_multiplier=float(dfl.get("output_multiplier", 1.0)),
-                final_logit_softcapping=dfl.get("final_logit_softcapping"),
+                output_multiplier=float(_draft_value(d, "output_multiplier", 1.0)),
+                final_logit_softcapping=_draft_value(d, "final_logit_softcapping"),
+                input_embedding_scale=float(_draft_value(d, "input_embedding_scale", 1.0)),
                 extra={k: v for k, v in d.items() if k not in known and k != "torch_dtype"},
             )
         except KeyError as e:
@@ -360,6 +375,14 @@ class DraftModelConfig:
             rope_theta=float(self.rope_theta),
             rope_scaling=None if scaling["rope_type"] == "default" else scaling,
         )
+
+
+def _draft_value(d: dict[str, Any], name: str, default=None):
+    """A DFlash field as the reference reads it: from ``dflash_config``, else from the top level."""
+    dfl = d.get("dflash_config") or {}
+    if dfl.get(name) is not None:
+        return dfl[name]
+    return d.get(name, default) if d.get(name) is not None else default
 
 
 _TEMPLATE = dict(

@@ -108,9 +108,12 @@ class CandidateSelector(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The left-to-right walk over offsets 1..B-1: ``logits [..., L, V]``, ``hidden [..., L, H]``,
         the anchor token(s) ``[...]`` -> (tokens ``[..., L]``, candidates ``[..., L, K]``, the
-        distribution each choice was drawn from ``[..., L, K]``: one-hot when greedy)."""
-        unary, cand = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        return self.walk_candidates(unary, cand, hidden, anchor_token, temperature, generator)
+        distribution each choice was drawn from ``[..., L, K]``: one-hot when greedy). As the reference
+        serves it: the candidates from ``topk(sorted=False)`` and the scores in the logits' dtype, so
+        a tie between scores goes to the first candidate in that order (bf16 serving: see
+        docs/dflash2.md)."""
+        unary, cand = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1, sorted=False)
+        return self.walk_candidates(unary, cand, hidden, anchor_token, temperature, generator, fp32=False)
 
     @torch.no_grad()
     def walk_candidates(
@@ -121,20 +124,24 @@ class CandidateSelector(nn.Module):
         anchor_token,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        fp32: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`walk` from the candidates ``cand [..., L, K]`` and their unary logits already chosen."""
-        proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()
+        """:meth:`walk` from the candidates ``cand [..., L, K]`` and their unary logits already chosen;
+        the scores in fp32 (training's metrics), or (``fp32=False``) in ``unary``'s dtype as served."""
+        dt = torch.float32 if fp32 else unary.dtype
+        proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).to(dt)
         prev = torch.as_tensor(anchor_token, device=unary.device).long().expand(unary.shape[:-2])
         tokens, probs = [], []
         for j in range(unary.shape[-2]):
-            gate = self.predecessor_codebook[prev].float() * proj[..., j, :]
-            s = self.scores(unary[..., j, :], cand[..., j, :], gate)
+            gate = self.predecessor_codebook[prev].to(dt) * proj[..., j, :]
+            succ = self.successor_codebook[cand[..., j, :]].to(dt)  # [..., K, R]
+            s = unary[..., j, :].to(dt) + (succ @ gate.unsqueeze(-1)).squeeze(-1)
             if temperature > 0:
-                q = torch.softmax(s / temperature, dim=-1)
+                q = torch.softmax(s.float() / temperature, dim=-1)
                 flat = q.reshape(-1, q.shape[-1])
                 idx = torch.multinomial(flat, 1, generator=generator).reshape(q.shape[:-1])
             else:
-                idx = s.argmax(-1)
+                idx = s.argmax(-1)  # the first of equal scores, as the reference's argmax
                 q = F.one_hot(idx, s.shape[-1]).float()
             prev = cand[..., j, :].gather(-1, idx[..., None])[..., 0]
             tokens.append(prev)

@@ -62,3 +62,22 @@ def target_dims(tcfg: TargetConfig, local_only: bool = False) -> TargetDims:
             f"target.model={tcfg.model!r}: its config has no {', '.join(missing)}; is it a causal LM?"
         )
     return TargetDims(int(c.num_hidden_layers), int(c.hidden_size), int(c.vocab_size))
+
+
+def extract_footprint(tcfg: TargetConfig, token_budget: int, stored_layers: int, itemsize: int = 2) -> int:
+    """About the GPU bytes one extract worker holds (a trainer sharing its GPU leaves them free): the
+    target's weights (its text model's parameters, counted on the meta device, ``itemsize`` bytes
+    each), the activations of one job's prefill (``token_budget`` tokens: a few hidden-size and two
+    MLP-width vectors a token), the stored states and 1 GiB of CUDA context and allocator slack."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    c = target_text_config(tcfg)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(c).parameters())
+    H, inter = (
+        int(c.hidden_size),
+        int(getattr(c, "intermediate_size", 4 * c.hidden_size) or 4 * c.hidden_size),
+    )
+    act = token_budget * (8 * H + 2 * inter + stored_layers * H) * itemsize
+    return params * itemsize + act + (1 << 30)

@@ -238,16 +238,19 @@ class DFlashDrafter(nn.Module):
             x = x.to(self.param_dtype)
         return self.hidden_norm(self.fc(x))
 
-    def _block_input(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
-        """Embeddings of ``[token, MASK x (B-1)]`` for each anchor token -> ``[A, B, H]``."""
+    def _block_input(self, anchor_tokens: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """Embeddings of ``[token, MASK x (B-1)]`` for each anchor token -> ``[A, B, H]`` (``size``: a
+        shorter block, as the reference drafts the last one), times ``input_embedding_scale``."""
         ids = torch.full(
-            (anchor_tokens.shape[0], self.block_size),
+            (anchor_tokens.shape[0], size or self.block_size),
             self.mask_token_id,
             dtype=torch.long,
             device=anchor_tokens.device,
         )
         ids[:, 0] = anchor_tokens
-        return F.embedding(ids, self.embed_weight).to(self.param_dtype)
+        x = F.embedding(ids, self.embed_weight)
+        scale = self.dcfg.input_embedding_scale
+        return (x if scale == 1.0 else x * scale).to(self.param_dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Target LM head on final-normed drafter outputs, then the logit transform."""
@@ -276,9 +279,12 @@ class DFlashDrafter(nn.Module):
         fused: bool = False,
         cache: DraftCache | None = None,
         return_hidden: bool = False,
+        size: int | None = None,
     ):
         """Logits ``[B-1, V]`` for block offsets 1..B-1 of one anchor (with ``return_hidden``, also
-        their final-normed states ``[B-1, H]``, which DFlash2's selector needs).
+        their final-normed states ``[B-1, H]``, which DFlash2's selector needs). ``size`` (2..B) runs a
+        shorter block, ``[anchor, MASK x (size-1)]``, as the reference drafts the last block before
+        ``max_new_tokens``: with bidirectional attention its drafts differ from the full block's.
 
         The context is ``cache`` (positions ``0..cache.length-1``) followed by
         ``context_hidden``: the target taps ``[S, K, H]`` (or, with ``fused=True``, the fused
@@ -292,9 +298,9 @@ class DFlashDrafter(nn.Module):
         S = cache.length
         a = S if anchor_pos is None else int(anchor_pos)
         dev = self.fc.weight.device
-        B = self.block_size
+        B = int(size or self.block_size)
         tok = torch.as_tensor(anchor_token, dtype=torch.long, device=dev).reshape(1)
-        x = self._block_input(tok)[0]  # [B, H]
+        x = self._block_input(tok, B)[0]  # [B, H]
         cos_b, sin_b = self._rope(torch.arange(a, a + B, device=dev), x.dtype)
         q_off = torch.arange(B, device=dev)[:, None]
         layers = iter(range(len(self.layers)))

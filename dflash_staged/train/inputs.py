@@ -22,10 +22,18 @@ from dflash_staged.train.options import TrainOptions
 STORE_WAIT_POLL_S = 0.5
 
 
+ALLOC_CONF = "expandable_segments:True"
+
+
 def pick_device(name: str | None) -> torch.device:
-    """``--device``, else CUDA when available; under torchrun each rank takes its LOCAL_RANK GPU."""
+    """``--device``, else CUDA when available; under torchrun each rank takes its LOCAL_RANK GPU. On CUDA
+    the caching allocator gets expandable segments (less fragmentation across microbatches of varied
+    shapes) unless ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` is set: before the first
+    allocation, which is when the allocator reads it."""
     device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", device.index or 0)))
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -78,3 +86,28 @@ def load_order(path: Path) -> dict[int, list[int]]:
     if latest is None:
         raise DflashError(f"--order-from {path}: no checkpoint there to read the draw order from")
     return {step: [c.job for c in items] for step, items in ckpt.load_checkpoint(latest).consumed().items()}
+
+
+SHARED_ENV = "DFLASH_TRAIN_SHARES_GPU_WITH_EXTRACT"  # set by `dflash pipeline` when one GPU runs both
+
+
+def train_device_bytes(cfg: Config, device: torch.device) -> int | None:
+    """The device memory the trainer's estimate may plan with: None (the whole device) unless the
+    launcher says an extract worker shares this GPU (:data:`SHARED_ENV`); then the device's memory
+    less what that worker holds (:func:`dflash_staged.model.dims.extract_footprint`)."""
+    if device.type != "cuda" or os.environ.get(SHARED_ENV) != "1":
+        return None
+    from dflash_staged.model.dims import extract_footprint
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    stored = len(cfg.target.target_layer_ids or [0] * cfg.drafter.num_hidden_layers)
+    stored += 1 if cfg.target.store_last_layer else 0
+    itemsize = 4 if cfg.target.dtype == "float32" else 2
+    taken = extract_footprint(cfg.target, cfg.data.token_budget, stored, itemsize)
+    print(
+        f"train: sharing {device} with an extract worker: planning with {(total - taken) / 2**30:.1f} of "
+        f"{total / 2**30:.1f} GiB (the target's weights and one job's prefill: {taken / 2**30:.1f} GiB)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return max(0, total - taken)

@@ -19,6 +19,8 @@ import signal
 import sys
 import time
 
+import torch
+
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest.balance import PUBLISH_S, SIDES, Tally
 from dflash_staged.procs import my_identity
@@ -71,6 +73,34 @@ def shard_microbatches(t: Trainer, shard) -> list[dict]:
         counts = anchor_counts(shard.loss_mask, shard.cu_seqlens, tc.num_anchors)
         rows = [c * t.model.block_size for c in counts]
     return microbatches(shard, tc.microbatch_tokens, t.model.max_rows, rows)
+
+
+class TimeBudget:
+    """``--time-budget-s``: the run stops at the first step boundary past the budget (every rank
+    alike: the decision is rank 0's clock, shared), and after each step the schedule's length
+    (``Trainer.total_steps``) is refitted to the steps done plus those the time left affords at the
+    recent step time, so a host that slows down (or speeds up) still ends its learning rate at 0
+    when the time is up. The number of steps is not known in advance; the log says how many ran."""
+
+    def __init__(self, t: Trainer):
+        self.t, self.seconds = t, t.opts.time_budget_s
+        self.t0, self.steps, self.recent = time.monotonic(), 0, []
+
+    def step_done(self, step_s: float) -> None:
+        if not self.seconds:
+            return
+        self.steps += 1
+        self.recent = (self.recent + [step_s])[-20:]
+        per = sorted(self.recent)[len(self.recent) // 2]  # the median of the last 20 steps
+        left = self.seconds - (time.monotonic() - self.t0)
+        self.t.total_steps = max(self.t.step + 1, self.t.step + int(left / max(per, 1e-6)))
+
+    def over(self) -> bool:
+        """Whether the budget is spent (collective: rank 0's clock decides for every rank)."""
+        if not self.seconds:
+            return False
+        mine = self.t.dist.rank == 0 and time.monotonic() - self.t0 >= self.seconds
+        return self.t.dist.any(mine)
 
 
 class StopRequested:
@@ -185,8 +215,16 @@ def consumed_item(job, rank: int, shard) -> Consumed:
 def train_loop(t: Trainer) -> int:
     """The training loop; returns the exit code."""
     cfg, dist = t.cfg, t.dist
-    stop, idle, nonfinite = StopRequested(), BusyIdle(t), 0
+    stop, idle, nonfinite, budget = StopRequested(), BusyIdle(t), 0, TimeBudget(t)
     while not (t.opts.max_steps and t.step >= t.opts.max_steps):
+        if budget.over():
+            print(
+                f"train: time budget of {budget.seconds:g} s spent after {budget.steps} step(s) "
+                f"(step {t.step}); stopping with a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            break
         # ---- data: this step's shards (may wait, all ranks together; never holding unreleased shards) --
         # Between collectives, branch only on values every rank agreed on: a stop signal may reach
         # some ranks only (one rank's pid, or the gap between torchrun's signals to its ranks).
@@ -214,7 +252,10 @@ def train_loop(t: Trainer) -> int:
         jobs: list[Consumed] = dist.gather_jobs(mine)
         t.ledger.record(t.step, jobs)
         t.ledger.poll()  # release the previous checkpoint's shards once their files are gone
+        if t.device.type == "cuda":  # the step's kernels, not their launches (the optimizer synced already)
+            torch.cuda.synchronize(t.device)
         step_s = time.perf_counter() - t_step
+        budget.step_done(step_s)
 
         # ---- log --------------------------------------------------------------------------------
         line = metrics_line(t, jobs, stats, lr, data, step_s)

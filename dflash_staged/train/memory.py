@@ -9,9 +9,12 @@ here from the device's memory) and :func:`estimate` states the peak it expects:
   moments, plus their bf16 autocast copies on CUDA (18 bytes a parameter; 16 on CPU), and the
   frozen target embedding and LM head (bf16 on CUDA, fp32 on CPU);
 * **per row**: ``ROW_ELEMS x (hidden + intermediate)`` saved elements per drafter layer, in the
-  activation dtype (measured with saved-tensor hooks: 8.0 to 9.6 over geometries from hidden 256
-  to 4096; tests/test_memory.py checks it within 20%). With ``train.activation_checkpointing`` a
-  layer keeps only its input (``hidden`` elements a row) and one layer is recomputed at a time;
+  activation dtype (measured with saved-tensor hooks, each saved storage counted once: 6.0 to 7.1
+  over geometries from hidden 256 to 512; tests/test_memory.py checks it within 20%, and down to
+  one layer at the Qwen3-8B shapes in bf16), and the chunked head's gradient to the drafter's
+  states (``hidden`` a row, kept from the forward to the backward). With
+  ``train.activation_checkpointing`` a layer keeps only its input, the fp32 residual stream
+  (``4 x hidden`` bytes a row), and one layer is recomputed at a time;
 * **per context token**: the taps read from the shard, the fused context and each layer's
   context keys and values;
 * **the loss**: one ``train.loss_chunk`` of fp32 logits, their softmax and gradient
@@ -19,7 +22,11 @@ here from the device's memory) and :func:`estimate` states the peak it expects:
   sides' log-probabilities and probabilities (:data:`TARGET_LOSS_BUFFERS`), and the target's last
   layer among the context tokens' inputs;
 * **DFlash2**: its convolutions' saved inputs and kernels (:data:`CONV_ROW_ELEMS`) a row per layer,
-  and the selector's fp32 candidate codebook rows, scores and their gradients a row.
+  and the selector's fp32 candidate codebook rows, scores and their gradients a row;
+* **flex padding** (CUDA): ``flex_attention`` takes the rows padded to a power of two
+  (:mod:`dflash_staged.model.flex_blocks`), and keeps q, the blocks' k and v and its output for
+  every padding row too (``pad_row`` a padding row, a layer); and a microbatch holds at most
+  ``row_cap`` rows, so the padded q's offsets (rows x heads x head size) stay below 2**31.
 
 The row budget fills ``USABLE`` of the device's memory; when even one sequence's blocks
 (``train.num_anchors x block_size`` rows) cannot fit, :func:`row_budget` refuses, naming the
@@ -35,7 +42,7 @@ import torch
 from dflash_staged.config import TrainConfig
 from dflash_staged.errors import DflashError
 
-ROW_ELEMS = 9.0  # saved elements a row per layer, in units of (hidden + intermediate)
+ROW_ELEMS = 6.5  # saved elements a row per layer, in units of (hidden + intermediate), each saved once
 CONV_ROW_ELEMS = 4  # DFlash2: a layer's convolutions keep about 4 x (2 x taps + 1) x hidden a row
 LOSS_BUFFERS = 3  # fp32 [loss_chunk, vocab] tensors of the head with ce alone: logits, softmax, gradient
 TARGET_LOSS_BUFFERS = 10  # ... with the target's logits: both sides' logits and softmaxes, the terms
@@ -52,17 +59,32 @@ class MemoryEstimate:
     context: int  # activations of one microbatch's context tokens
     loss: int  # one loss chunk's logits
     device_bytes: int  # the device's memory (0: unknown, e.g. CPU)
+    pad_row: int = 0  # flex (CUDA): what a padding row costs (rows are padded to a power of two)
+    row_cap: int = 0  # flex: the most rows whose padded q/k/v offsets stay below 2**31 (0: none)
+
+    def padded(self, rows: int) -> int:
+        """The rows flex pads ``rows`` to (itself without flex)."""
+        return max(rows, 1 << max(0, rows - 1).bit_length()) if self.pad_row else rows
 
     def peak(self, rows: int) -> int:
-        return self.fixed + self.context + self.loss + rows * self.per_row
+        pad = (self.padded(rows) - rows) * self.pad_row
+        return self.fixed + self.context + self.loss + rows * self.per_row + pad
 
     @property
     def max_rows(self) -> int:
-        """The most rows a microbatch may hold on this device (0: no cap, the device is unknown)."""
+        """The most rows a microbatch may hold on this device (0: no cap, the device is unknown): the
+        most whose :meth:`peak` (its padding included) fits, and at most :attr:`row_cap`."""
         if not self.device_bytes:
-            return 0
+            return self.row_cap
         room = int(self.device_bytes * USABLE) - self.fixed - self.context - self.loss
-        return max(0, room // self.per_row)
+        rows = max(0, room // self.per_row)
+        if self.row_cap:
+            rows = min(rows, self.row_cap)
+        while rows and self.peak(rows) - (self.fixed + self.context + self.loss) > room:
+            b = self.padded(rows)  # within one bucket peak grows with rows: the most that fit in it
+            fit = (room - b * self.pad_row) // max(1, self.per_row - self.pad_row)
+            rows = fit if fit > b // 2 else min(rows - 1, b // 2)  # else the bucket below
+        return max(0, rows)
 
     def line(self, rows: int) -> str:
         g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
@@ -92,7 +114,10 @@ def estimate(
     frozen = drafter.embed_weight.numel() + drafter.lm_head_weight.numel()
     H, inter, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     layer_row = int(ROW_ELEMS * (H + inter))
-    rows_elems = L * H + layer_row if t.activation_checkpointing else L * layer_row
+    # checkpointing keeps each layer's input, the fp32 residual stream, and recomputes one layer at a time
+    rows_elems = layer_row if t.activation_checkpointing else L * layer_row
+    ckpt_row = L * H * 4 if t.activation_checkpointing else 0
+    head_row = H * act  # the chunked head's gradient to the drafter's states, kept from forward to backward
     selector_row = 0
     if c.architecture == "dflash2":  # four convolutions a layer; the selector's candidates (fp32)
         conv_row = CONV_ROW_ELEMS * (2 * c.conv_kernel_size + 1) * H
@@ -104,15 +129,20 @@ def estimate(
     ctx_elems = t.microbatch_tokens * (taps * H + 2 * H + L * kv * (1 if t.activation_checkpointing else 2))
     if device_bytes is None:
         device_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else 0
+    q_row = c.num_attention_heads * c.head_dim  # flex pads q (and the blocks' k, v, its output) by row
+    pad_row = L * (2 * q_row + kv) * act if cuda else 0  # q and its output; the blocks' k and v
+    row_cap = 1 << ((2**31 - 1) // q_row).bit_length() - 1 if cuda else 0
     return MemoryEstimate(
         fixed=trainable * (18 if cuda else 16) + frozen * act,
-        per_row=rows_elems * act + selector_row,
+        per_row=rows_elems * act + ckpt_row + head_row + selector_row,
         context=ctx_elems * act,
         loss=(TARGET_LOSS_BUFFERS if target_logits else LOSS_BUFFERS)
         * min(t.loss_chunk, t.microbatch_tokens * c.block_size)
         * c.vocab_size
         * 4,
         device_bytes=device_bytes,
+        pad_row=pad_row,
+        row_cap=row_cap,
     )
 
 

@@ -22,3 +22,6 @@ class TrainOptions:
     total_steps: int | None = None  # the lr/noise schedule's length [default: the data's]
     tensorboard: bool = False
     init_from: Path | None = None  # start a new run from this run's or checkpoint's drafter weights
+    # Stop (with a checkpoint) once this many seconds of the loop have passed; the schedule's length is
+    # then refitted each step to the steps the time left affords (train.loop.TimeBudget)
+    time_budget_s: float | None = None

@@ -49,13 +49,18 @@ class DrafterModel:
         device: torch.device,
         rank: int,
         target_norm: torch.nn.Module | None = None,
+        device_bytes: int | None = None,
     ):
         self.drafter, self.t, self.device, self.target_norm = drafter, t, device, target_norm
+        selector = getattr(drafter, "selector", None)
+        if selector is not None and t.selector_alpha == 0:  # as SpecForge: no selector term, no training
+            selector.requires_grad_(False)
         self.params = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
         self.anchor_gen = torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + 101 + rank)
         self.attention = resolve_attention(t.attention, device)
         drafter.activation_checkpointing = t.activation_checkpointing
-        self.memory = estimate(drafter, t, device, target_logits=t.needs_target)
+        # the target's logits in the head: for the loss, or (a store with its last layer) for the metrics
+        self.memory = estimate(drafter, t, device, device_bytes, target_logits=target_norm is not None)
         self.max_rows = row_budget(self.memory, t, drafter.block_size)  # 0 = no cap
         if device.type == "cuda" and rank == 0:
             print(f"train: {self.memory.line(self.max_rows)}", file=sys.stderr, flush=True)

@@ -209,9 +209,8 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         # half-deleted shards of a killed trainer, half-written ones of dead workers, stale ones
         store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
     norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
-    model = DrafterModel(
-        build_drafter(cfg, store, device, opts.init_from), cfg.train, device, dist.rank, norm
-    )
+    drafter = build_drafter(cfg, store, device, opts.init_from)
+    model = DrafterModel(drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device))
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:
         order = inputs.load_order(opts.order_from) if opts.order_from else None

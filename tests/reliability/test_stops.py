@@ -70,7 +70,7 @@ def _wait(cond, timeout: float, what: str, logs) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("who", ["one", "both"])
+@pytest.mark.parametrize("who", ["one", pytest.param("both", marks=pytest.mark.slow)])
 def test_a_stop_seen_by_one_rank_stops_both_at_once(tmp_path, who):
     mdir = plan(tmp_path, n=160, extra=EXTRA)
     store, out = tmp_path / "store", tmp_path / "run"

@@ -68,11 +68,15 @@ def selector_rows(
 
 
 def alpha_at(step: int, total_steps: int, alpha: float, warmup_ratio: float, ramp_ratio: float) -> float:
-    """The selector term's weight at ``step``: 0 for ``warmup_ratio`` of the steps, then a linear ramp
-    over ``ramp_ratio`` of them, then ``alpha``."""
-    frac = step / max(total_steps, 1)
-    if frac < warmup_ratio:
+    """The selector term's weight at ``step`` (0-based), as SpecForge schedules it: warmup and ramp in
+    whole steps (``int(ratio x total_steps)``), 0 during the warmup, then ``alpha x (step - warmup +
+    1) / ramp`` (so the ramp's first step already has ``alpha / ramp``), then ``alpha``."""
+    if alpha <= 0:
+        return alpha
+    warmup = int(total_steps * warmup_ratio)
+    if step < warmup:
         return 0.0
-    if ramp_ratio > 0 and frac < warmup_ratio + ramp_ratio:
-        return alpha * (frac - warmup_ratio) / ramp_ratio
-    return alpha
+    ramp = int(total_steps * ramp_ratio)
+    if ramp <= 0:
+        return alpha
+    return alpha * min(max((step - warmup + 1) / ramp, 0.0), 1.0)

@@ -5,11 +5,11 @@
 
 - **take** uses ``FOR UPDATE SKIP LOCKED``, so trainer ranks on different hosts admit disjoint
   shards.
-- **Retries** after a lost connection (:mod:`.pg_conn`): take records a token in the rows it
+- **Retries** after a lost connection (:mod:`.conn`): take records a token in the rows it
   takes, so a retry finds what a first try that did commit took; a consume retried after its first
   try committed finds its jobs consumed at its step and changes nothing.
 - **A trainer's fence.** A trainer that registered (exclusively) checks its registration in each
-  of its transactions (:meth:`~.pg_procs.Registry.check_fence`, which also keeps another trainer's
+  of its transactions (:meth:`~.procs.Registry.check_fence`, which also keeps another trainer's
   registration waiting until that transaction ends); once another trainer has replaced it (it was
   cut off past its lease), it stops instead of consuming. Every transition here runs fenced.
 """
@@ -20,8 +20,8 @@ import uuid
 from collections.abc import Iterable
 
 from dflash_staged.manifest.consume import consume_ids, consume_refused
-from dflash_staged.manifest.pg_conn import one
-from dflash_staged.manifest.pg_schema import NOW
+from dflash_staged.manifest.postgres.conn import one
+from dflash_staged.manifest.postgres.schema import NOW
 from dflash_staged.manifest.states import Job
 
 

@@ -10,7 +10,7 @@ A manifest is a directory (``manifests/<name>/`` by default)::
 It is created atomically (:mod:`dflash_staged.manifest.build`), so it exists whole or not at
 all; the samples are immutable after creation. Every state transition of
 :mod:`dflash_staged.manifest.states` is one ``BEGIN IMMEDIATE`` transaction
-(:mod:`.sqlite_transitions`). **One host only**: SQLite locking is not safe on NFS or other
+(:mod:`.transitions`). **One host only**: SQLite locking is not safe on NFS or other
 network filesystems; keep the manifest on a local disk of the node that runs both extract and
 train.
 """
@@ -30,7 +30,7 @@ import numpy as np
 
 from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.build import ONE_HOST, check_local_fs, write_manifest_dir
-from dflash_staged.manifest.sqlite_transitions import SqliteTransitions
+from dflash_staged.manifest.sqlite.transitions import SqliteTransitions
 from dflash_staged.manifest.states import (
     IN_WINDOW,
     Job,

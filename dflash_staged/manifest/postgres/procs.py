@@ -24,8 +24,8 @@ import json
 import threading
 from collections.abc import Callable
 
-from dflash_staged.manifest.pg_conn import PgAddress, Session
-from dflash_staged.manifest.pg_schema import FREE_CLAIM, LOCK_NS, NOW
+from dflash_staged.manifest.postgres.conn import PgAddress, Session
+from dflash_staged.manifest.postgres.schema import FREE_CLAIM, LOCK_NS, NOW
 from dflash_staged.manifest.states import ManifestError, Proc, TrainerBusyError
 from dflash_staged.procs import BOOT_ID, my_identity, pid_alive
 

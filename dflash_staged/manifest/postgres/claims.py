@@ -4,7 +4,7 @@
 (its connection, window query and events are there). Across hosts:
 
 - **claim** returns this host's dead processes' claims to pending, then runs the server-side
-  function ``claim_next`` (:mod:`.pg_schema`) as one statement: a transaction-scoped advisory lock
+  function ``claim_next`` (:mod:`.schema`) as one statement: a transaction-scoped advisory lock
   on the manifest's window (``pg_advisory_xact_lock``), expired leases reclaimed, the window
   checked, the first pending job claimed (``FOR UPDATE SKIP LOCKED``). Only a claim grows the
   window, so serialising claims makes the window check exact across hosts; the lock is never held
@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import uuid
 
-from dflash_staged.manifest.pg_conn import one
-from dflash_staged.manifest.pg_procs import reclaim_dead_here
-from dflash_staged.manifest.pg_schema import FREE_CLAIM, NOW
+from dflash_staged.manifest.postgres.conn import one
+from dflash_staged.manifest.postgres.procs import reclaim_dead_here
+from dflash_staged.manifest.postgres.schema import FREE_CLAIM, NOW
 from dflash_staged.manifest.states import EXTRACTED, ClaimResult, Job
 from dflash_staged.procs import BOOT_ID, my_identity
 

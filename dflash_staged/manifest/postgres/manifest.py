@@ -1,25 +1,25 @@
 """The PostgreSQL manifest: one run across many hosts.
 
-Chosen by the address ``postgresql://USER@HOST:PORT/DB#NAME`` (:mod:`.pg_conn`: the address,
-connections, retrying a lost connection; :mod:`.pg_schema`: the layout, and why the samples live
+Chosen by the address ``postgresql://USER@HOST:PORT/DB#NAME`` (:mod:`.conn`: the address,
+connections, retrying a lost connection; :mod:`.schema`: the layout, and why the samples live
 in the database). It implements the state machine of :mod:`.states` with the same job ids and the
 same ``status --json`` as the SQLite backend; what differs is how hosts share it:
 
-- **claim, leases, publish** (:mod:`.pg_claims`): claims are serialised on the window by an
+- **claim, leases, publish** (:mod:`.claims`): claims are serialised on the window by an
   advisory lock that one server-side statement holds, so the window check is exact across hosts
   and no lock outlives a network round trip; publish checks the claim with its row locked and runs
   the shard's rename inside that transaction; a late publish is refused.
-- **take, consume, release, requeue, resume** (:mod:`.pg_trainer`): trainer ranks on different
+- **take, consume, release, requeue, resume** (:mod:`.trainer`): trainer ranks on different
   hosts take disjoint shards (``FOR UPDATE SKIP LOCKED``); each of these transactions checks the
   trainer's fence, so a trainer that another one replaced stops instead of consuming.
 - **Liveness.** A claim records host name, boot id, pid and start time, and a lease deadline on the
   server's clock. Anyone reclaims an expired lease; a claim whose process is gone is reclaimable at
   once only by a process on the same host (same host name; another boot id proves it gone). A
   registered process heartbeats from a thread and counts as alive, seen from another host, while its
-  heartbeat is younger than the plan's ``extract.registration_liveness_s`` (:mod:`.pg_procs`:
+  heartbeat is younger than the plan's ``extract.registration_liveness_s`` (:mod:`.procs`:
   registrations, heartbeats and the trainer's fence).
 - **Retries.** Every operation is one transaction (:meth:`PostgresManifest._run`) that runs again
-  from the start after a lost connection, told that it is a retry (:mod:`.pg_conn`); each is
+  from the start after a lost connection, told that it is a retry (:mod:`.conn`); each is
   written to be right whether or not its first try committed.
 
 Metadata, samples, queries and registrations are in this module.
@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from dflash_staged.manifest.base import Manifest, register_backend
-from dflash_staged.manifest.pg_claims import PgClaims
-from dflash_staged.manifest.pg_conn import PgAddress, Session, driver, one
-from dflash_staged.manifest.pg_procs import Registry
-from dflash_staged.manifest.pg_schema import NOW, SampleReader, create_tables, schema_kind
-from dflash_staged.manifest.pg_trainer import PgTrainer
+from dflash_staged.manifest.postgres.claims import PgClaims
+from dflash_staged.manifest.postgres.conn import PgAddress, Session, driver, one
+from dflash_staged.manifest.postgres.procs import Registry
+from dflash_staged.manifest.postgres.schema import NOW, SampleReader, create_tables, schema_kind
+from dflash_staged.manifest.postgres.trainer import PgTrainer
 from dflash_staged.manifest.states import (
     IN_WINDOW,
     Job,
