@@ -643,7 +643,7 @@ def step_recipe_train(work: Path, dev: str, seconds: float) -> dict:
     estimate for the largest microbatch each ran (ok when it does not exceed it by more than 20%).
     On CPU: small widths, a check of the plumbing."""
     gpu = dev.startswith("cuda")
-    small = [] if gpu else ["--small", "--steps", "2", "--tokens", "512", "--seq-len", "64", "--rows", "1024"]
+    small = [] if gpu else ["--small", "--steps", "2", "--tokens", "512", "--seq-len", "64", "--rows", "1000"]
     res: dict = {}
     failed, t0 = [], time.time()
     for i, (name, extra) in enumerate(RECIPE_VARIANTS):

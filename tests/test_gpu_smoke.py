@@ -237,7 +237,7 @@ def test_the_documented_gpu_command_rehearsed_on_cpu_from_a_fresh_clone(tmp_path
         assert "installing 4 carried wheels" in r.stderr
         files = sorted(p.name for p in out.iterdir())
         assert len(files) <= 8 and all(p.is_file() for p in out.iterdir()), files
-        ran = [n for n, st in s["steps"].items() if st["status"] != "skipped" or "budget" not in st["why"]]
+        ran = [n for n, st in s["steps"].items() if "budget" not in st.get("why", "")]
         for n in ran:
             if n != "tp_extract":
                 assert (out / f"{n}.log").is_file(), (n, files)
@@ -250,7 +250,7 @@ def test_the_documented_gpu_command_rehearsed_on_cpu_from_a_fresh_clone(tmp_path
             assert {"plain", "checkpointing", "dflash2", "uneven", "target_loss"} <= set(variants)
             assert variants["uneven"]["rows_power_of_two"] is False
         else:
-            assert any(st["why"].startswith("budget:") for st in s["steps"].values()), s["steps"]
+            assert any(st.get("why", "").startswith("budget:") for st in s["steps"].values()), s["steps"]
             assert s["steps"]["recipe_train"]["status"] == "ok"  # the first step, in the time it had
     print(
         json.dumps(
