@@ -15,7 +15,9 @@ import os
 import signal
 import socket
 
-HOST = socket.gethostname()
+# This machine's name in the manifest: its host name, or DFLASH_NODE_NAME (one name per machine: two
+# machines under one name would read each other's pids; tests simulate nodes on one machine with it).
+HOST = os.environ.get("DFLASH_NODE_NAME") or socket.gethostname()
 
 
 def _boot_id() -> str:

@@ -428,7 +428,9 @@ def test_ranks_wait_together_and_release_when_extract_would_wait(live, monkeypat
             extract=SimpleNamespace(window=64),
         ),
         m=SimpleNamespace(
-            meta={"extract_window": {"shards": 8}}, window=lambda: in_window, forget_meta=lambda: None
+            meta={"extract_window": {"shards": 8}},
+            window=lambda node=None: in_window,
+            forget_meta=lambda: None,
         ),
         source=SimpleNamespace(
             finished=lambda: True,
@@ -437,7 +439,9 @@ def test_ranks_wait_together_and_release_when_extract_would_wait(live, monkeypat
             forced_step=lambda step: [],
             live=True,
         ),
-        ledger=SimpleNamespace(holds_unreleased=lambda step: not released, poll=lambda: None),
+        ledger=SimpleNamespace(
+            holds_unreleased=lambda step: not released, poll=lambda: None, deletes=dist.rank == 0, node=None
+        ),
         checkpoint_and_release=lambda: released.append(t.step),
         progress=SimpleNamespace(waiting=lambda *a, **k: None),
     )

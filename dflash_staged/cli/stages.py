@@ -58,6 +58,12 @@ from dflash_staged.sizes import ByteSize
     help="Override target.dtype (CPU only; CUDA uses bf16 by default).",
 )
 @click.option(
+    "--node-local",
+    is_flag=True,
+    help="A store per node (its NVMe): windows per node, ranks train on their node's shards "
+    "(docs/multinode.md); every extract and train of the manifest runs with it.",
+)
+@click.option(
     "--trainer-coming",
     is_flag=True,
     hidden=True,
@@ -75,6 +81,7 @@ def extract(
     allow_slow_kernels,
     dtype,
     trainer_coming,
+    node_local,
 ):
     """Run target workers that write hidden-state shards for the manifest's jobs."""
     from dflash_staged.extract.options import options_from
@@ -95,6 +102,7 @@ def extract(
         train_ranks=train_ranks,
         tp=tp,
         trainer_coming=trainer_coming,
+        node_local=node_local,
     )
     sys.exit(run_extract(opts))
 
@@ -169,6 +177,12 @@ def extract(
     show_default=True,
     help="Trainer ranks: relaunch under torchrun (DDP).",
 )
+@click.option(
+    "--node-local",
+    is_flag=True,
+    help="A store per node (its NVMe): windows per node, ranks train on their node's shards "
+    "(docs/multinode.md); every extract and train of the manifest runs with it.",
+)
 @click.option("--tensorboard", is_flag=True, help="Also log to RUN_DIR/tensorboard.")
 @click.option(
     "--init-from",
@@ -194,6 +208,7 @@ def train(
     nproc,
     tensorboard,
     init_from,
+    node_local,
 ):
     """Train the drafter from the shards extract writes (or replay a kept store).
 
@@ -227,6 +242,7 @@ def train(
         tensorboard=tensorboard,
         init_from=init_from,
         time_budget_s=time_budget_s,
+        node_local=node_local,
     )
     trainer = build_trainer(opts)
     finished = False

@@ -34,6 +34,8 @@ class ExtractOptions:
     trainer_coming: bool = False  # a launcher starts a trainer beside it (--trainer-coming)
     trainer_deadline: float = 0.0  # until then, wait for a trainer to register (extract.worker.should_stay)
     trainer_seen: bool = False  # this process saw a live trainer (extract.worker.should_stay)
+    node_local: bool = False  # a store per node (dflash_staged.manifest.layout): windows per node
+    node: str | None = None  # with node_local, this node's name (set by run_extract)
 
     def __post_init__(self) -> None:
         self.collective_timeout_s = self.collective_timeout_s or self.lease_s
@@ -81,6 +83,7 @@ def options_from(
     train_ranks=1,
     tp=1,
     trainer_coming=False,
+    node_local=False,
 ) -> ExtractOptions:
     """Command-line values over the manifest's ``[extract]`` snapshot."""
     opts = ExtractOptions(
@@ -97,6 +100,7 @@ def options_from(
         collective_timeout_s=cfg.collective_timeout,
         tp=tp,
         trainer_coming=trainer_coming,
+        node_local=node_local,
     )
     split_groups(opts.devices, tp)  # refuse a device count --tp does not divide, before anything starts
     return opts

@@ -33,6 +33,7 @@ block on it forever.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -52,6 +53,7 @@ from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, EXIT_RESTA
 from dflash_staged.extract.worker import POLL_S, TRAINER_COMING_S, TRAINER_GRACE_S, should_stay, worker_main
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.balance import PUBLISH_S, SIDES, Tally, format_balance, shares
+from dflash_staged.manifest.layout import node_of, settle_layout
 from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.procs import my_identity
 from dflash_staged.store import ShardStore
@@ -124,6 +126,7 @@ def run_extract(opts: ExtractOptions) -> int:
     return the exit code."""
     opts.trainer_deadline = time.time() + (TRAINER_COMING_S if opts.trainer_coming else TRAINER_GRACE_S)
     m = Manifest.open(opts.manifest)
+    opts.node = node_of(settle_layout(m, opts.node_local, "dflash extract"))
     window = WindowSettings(
         opts.window, opts.window_bytes, len(opts.groups), shard_bytes_max(m, opts) if opts.window_bytes else 0
     )
@@ -139,6 +142,7 @@ def run_extract(opts: ExtractOptions) -> int:
         check_tp(target_text_config(m.config.target), opts.tp, f"target.model={m.config.target.model!r}")
     if m.counts()["failed"]:
         click.echo(f"retrying {m.retry_failed()} failed job(s)", err=True)
+    _remove_dead_leftovers(opts, m)  # a node back with stale shards removes them, with work or without
     if m.extract_done() and not _wait_for_trainer(m, opts):  # with a live trainer: stay for re-extractions
         g = m.progress()["jobs"]
         click.echo(
@@ -146,7 +150,6 @@ def run_extract(opts: ExtractOptions) -> int:
             f"({g['extracted'] - g['trained']} written, {g['trained']} consumed)"
         )
         return 0
-    _remove_dead_leftovers(opts, m)
     m.set_meta(WindowSettings.KEY, window.to_meta())
     return ExtractSupervisor(m, opts).run()
 
@@ -390,4 +393,6 @@ def _remove_dead_leftovers(opts: ExtractOptions, m: Manifest) -> None:
     their jobs were released or sent back."""
     if ShardStore.exists(opts.store):
         store = ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})
-        store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
+        store.cleanup_temp(
+            claimed=m.holds_claim, unwanted=functools.partial(m.shard_unwanted, node=opts.node)
+        )

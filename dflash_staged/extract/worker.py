@@ -231,7 +231,13 @@ def _loop(
         hidden = None  # the previous job's states are the writer's now: not held through this forward
         if publisher.error is not None:
             raise publisher.error
-        r = m.claim(worker_id, window=opts.window, window_bytes=opts.window_bytes, lease_s=opts.lease_s)
+        r = m.claim(
+            worker_id,
+            window=opts.window,
+            window_bytes=opts.window_bytes,
+            lease_s=opts.lease_s,
+            node=opts.node,
+        )
         if r.job is None:
             watch.kind = "window_full_s" if r.window_full else "no_work_s"
             if r.nothing_left and not should_stay(m, opts):

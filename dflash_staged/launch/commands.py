@@ -204,6 +204,28 @@ def pipeline(**o):
     default=None,
     help="Target hidden size, when it cannot be read offline.",
 )
+@click.option(
+    "--nnodes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Nodes of the run (torchrun's).",
+)
+@click.option(
+    "--node-rank",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="This node's rank (0 plans).",
+)
+@click.option("--master-addr", default=None, help="With --nnodes > 1: node 0's address (torchrun's).")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
+@click.option(
+    "--node-local",
+    is_flag=True,
+    help="A store per node (WORKDIR/store on its NVMe): its ranks train on its own shards "
+    "(docs/multinode.md).",
+)
 @user_errors
 def node(**o):
     """One GPU node: extract on --extract-gpus, train under torchrun on --train-gpus, side by side;

@@ -50,6 +50,7 @@ from pathlib import Path
 from dflash_staged import split as splitting
 from dflash_staged.children import Children, CommandChild
 from dflash_staged.errors import DflashError
+from dflash_staged.launch.multinode import MULTINODE
 from dflash_staged.launch.probe_train import RESULT
 from dflash_staged.launch.processes import (
     Layout,
@@ -167,8 +168,10 @@ def window_room(m, o: dict) -> tuple[int, str]:
     """How many more jobs extract's window admits now (shards, and bytes at the largest pending job's
     size once the bytes per token are known), and the window's use in words."""
     from dflash_staged.manifest.status import human_bytes
+    from dflash_staged.procs import HOST
 
-    window, wb, used = o["window"] or m.config.extract.window, o["window_bytes"] or 0, m.window()
+    node = HOST if o.get("node_local") else None  # node-local stores: this node's window
+    window, wb, used = o["window"] or m.config.extract.window, o["window_bytes"] or 0, m.window(node)
     room = window - used["shards"]
     words = f"{used['shards']} of {window} shards"
     bpt = int(m.meta.get("bytes_per_token") or 0)
@@ -199,6 +202,7 @@ def measure_extract(p: _Probes, manifest, store: Path, dev: NodeDevices, o: dict
     cmd += ["--window", str(o["window"])] if o["window"] is not None else []
     cmd += ["--window-bytes", str(o["window_bytes"])] if o["window_bytes"] is not None else []
     cmd += ["--allow-slow-kernels"] if o["allow_slow_kernels"] else []
+    cmd += ["--node-local"] if o.get("node_local") else []
     with Manifest.open(manifest, readonly=True) as m:
         left = m.progress()["jobs"]["to_extract"]
         if left < 2:
@@ -376,6 +380,7 @@ def auto_node_layout(o: dict, devices: str | None, probe_jobs: int, scaling: flo
         train_args=o["train_args"],
         manifest=o["manifest"],
         tp=tp,
+        **{k: o[k] for k in MULTINODE if k in o},
     )
     if dev.kind == "cpu":
         return cpu_node_layout(o["config"], o["data"], workdir, extract_cpus=e, train_cpus=n - e, **kw)

@@ -32,6 +32,8 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
     from dflash_staged.config.overrides import parse_sets
     from dflash_staged.errors import DflashError
     from dflash_staged.manifest import Manifest
+    from dflash_staged.manifest.layout import KEY as LAYOUT_KEY
+    from dflash_staged.procs import HOST
     from dflash_staged.store import ShardError, ShardStore
     from dflash_staged.train import inputs
     from dflash_staged.train.buffer import pinned
@@ -46,7 +48,9 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
         opts = TrainOptions(manifest=manifest, store=store_dir, out=None, overrides=parse_sets(sets))
         cfg = inputs.run_config(m, opts)
         store = ShardStore.open(store_dir, expect={"manifest_id": m.manifest_id})
-        candidates = sorted(m.jobs("written"), key=lambda j: (j.epoch, j.pos))
+        mine = HOST if m.meta.get(LAYOUT_KEY) == "node" else None  # node-local: only this node's store
+        written = [j for j in m.jobs("written") if mine in (None, j.host)]
+        candidates = sorted(written, key=lambda j: (j.epoch, j.pos))
     data = []
     for j in candidates:  # the first ``shards`` that read whole: a damaged one is the run's to re-extract
         if len(data) >= shards:

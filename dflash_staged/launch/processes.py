@@ -34,6 +34,7 @@ from pathlib import Path
 
 from dflash_staged.errors import DflashError
 from dflash_staged.launch.disk import disk_requirements
+from dflash_staged.launch.multinode import check_multinode, wait_for_manifest
 from dflash_staged.launch.supervise import PY, Proc
 
 # Assumed extract throughput per extract worker (real tokens/s) of an 8B dense target in bf16 on one
@@ -268,6 +269,12 @@ class NodeOptions:
     train_args: tuple[str, ...] = ()
     manifest: str | None = None
     tp: int = 1
+    # one node of several (``dflash node --nnodes``): the trainer is this node's share of one torchrun job
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29500
+    node_local: bool = False  # a store per node (dflash_staged.manifest.layout)
 
 
 def node_layout(
@@ -316,12 +323,33 @@ def _node(
 ) -> Layout:
     """A node's layout: plan if needed, extract on ``extract_devices``, train as ``train_ranks``
     torchrun ranks, and the disk arithmetic."""
+    check_multinode(o)
     workdir = Path(workdir)
     m, s, r = o.manifest or workdir / "manifest", workdir / "store", workdir / "run"
     g = train_ranks
-    train = _train_args(m, s, r, o.keep_shards, tuple(o.train_args) + train_extra)
-    train_cmd = [PY, "-m", "dflash_staged", *train] + (["--nproc", str(g)] if g > 1 else [])  # torchrun ranks
-    ex_args = _extract_args(m, s, extract_devices, o.window, o.window_bytes, o.allow_slow_kernels, g, o.tp)
+    local = ("--node-local",) if o.node_local else ()
+    train = _train_args(m, s, r, o.keep_shards, tuple(o.train_args) + train_extra + local)
+    if o.nnodes > 1:  # this node's share of one torchrun job spanning the nodes
+        rdzv = [
+            "--nnodes",
+            str(o.nnodes),
+            "--node-rank",
+            str(o.node_rank),
+            "--master-addr",
+            str(o.master_addr),
+        ]
+        rdzv += ["--master-port", str(o.master_port), "--nproc-per-node", str(g)]
+        train_cmd = [PY, "-m", "torch.distributed.run", *rdzv, "-m", "dflash_staged", *train]
+    else:
+        train_cmd = [PY, "-m", "dflash_staged", *train] + (
+            ["--nproc", str(g)] if g > 1 else []
+        )  # torchrun ranks
+    # the window rule counts the ranks its shards feed: this node's (node-local), or every node's
+    fed = g if o.node_local else g * o.nnodes
+    ex_args = _extract_args(m, s, extract_devices, o.window, o.window_bytes, o.allow_slow_kernels, fed, o.tp)
+    ex_args += list(local)
+    if o.node_rank > 0:  # node 0 plans; the others wait for its plan, then check it is theirs
+        wait_for_manifest(m)
     layout = Layout(
         workdir,
         plan_cmd_if_needed(Path(config), Path(data), m, o.epochs, o.seed),

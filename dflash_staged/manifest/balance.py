@@ -236,6 +236,49 @@ def collect(procs: Iterable[Any], finished: Mapping[str, list[dict]], now: float
     return out
 
 
+def by_node(
+    procs: Iterable[Any], finished: Mapping[str, list[dict]], now: float
+) -> dict[str, dict[str, Any]]:
+    """Node-local stores (:mod:`.layout`): :func:`collect` over each host's processes and final figures
+    alone, keyed by host name."""
+    procs = list(procs)
+    hosts = {p.host for p in procs} | {f.get("host") for fs in finished.values() for f in fs}
+    return {
+        h: collect(
+            [p for p in procs if p.host == h],
+            {r: [f for f in fs if f.get("host") == h] for r, fs in finished.items()},
+            now,
+        )
+        for h in sorted(x for x in hosts if x)
+    }
+
+
+def node_imbalance(nodes: Mapping[str, Mapping[str, Any]], span: str = "recent") -> str | None:
+    """A node whose ranks wait for data (at least :data:`WAITS` of their time) while another node's
+    extract waits on its full window and its ranks wait at least :data:`WAITS` less: named, with what
+    to change; None when no such pair."""
+
+    def share(b, role: str, kind: str) -> float:
+        s = b.get(role)
+        return shares(s[span]).get(kind, 0.0) if s and sum(s[span].values()) > 0 else 0.0
+
+    wait = {h: share(b, "train", "data_wait_s") for h, b in nodes.items()}
+    full = {h for h, b in nodes.items() if share(b, "extract", "window_full_s") >= WAITS}
+    # starved: ranks that wait, beside a node whose window is full and whose ranks wait less (by WAITS)
+    starved = sorted(
+        h for h in nodes if wait[h] >= WAITS and any(wait[f] + WAITS <= wait[h] for f in full - {h})
+    )
+    if not starved:
+        return None
+    full = sorted(f for f in full if f not in starved)
+    s, f = ", ".join(starved), ", ".join(full)
+    return (
+        f"node(s) {s}: trainer ranks wait for data while the window of {f} is full; with node-local "
+        f"stores a node trains only on its own shards: give {s} more extract GPUs (dflash node --split), "
+        f"or {f} more trainer ranks, so that every node is balanced"
+    )
+
+
 _NAMES = {
     "busy_s": "busy",
     "window_full_s": "window full",

@@ -196,12 +196,13 @@ class Manifest(SharedQueries, abc.ABC):
         """The rows (mappings) of one read-only SQL query without parameters."""
 
     @abc.abstractmethod
-    def window(self) -> dict[str, int]:
-        """``{"shards": n, "bytes": b}`` held in the window (see the state machine)."""
+    def window(self, node: str | None = None) -> dict[str, int]:
+        """``{"shards": n, "bytes": b}`` held in the window (see the state machine); with ``node``,
+        of the jobs that node claimed or holds (a node-local store, :mod:`.layout`)."""
 
     @abc.abstractmethod
-    def ready_count(self) -> int:
-        """Written jobs no trainer has taken yet."""
+    def ready_count(self, node: str | None = None) -> int:
+        """Written jobs no trainer has taken yet (with ``node``: held by that node)."""
 
     @abc.abstractmethod
     def consumed_upto(self, step: int) -> list[Job]:
@@ -229,9 +230,16 @@ class Manifest(SharedQueries, abc.ABC):
 
     @abc.abstractmethod
     def claim(
-        self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0
+        self,
+        worker: str,
+        *,
+        window: int,
+        window_bytes: int = 0,
+        lease_s: float = 300.0,
+        node: str | None = None,
     ) -> ClaimResult:
-        """Check the window and claim the next pending job in manifest order, in one transaction."""
+        """Check the window and claim the next pending job in manifest order, in one transaction;
+        with ``node``, the window of that node's jobs (:meth:`window`)."""
 
     @abc.abstractmethod
     def extend_lease(self, job: Job, lease_s: float) -> bool:
@@ -258,8 +266,9 @@ class Manifest(SharedQueries, abc.ABC):
 
     # ------------------------------------------------------------------ train side
     @abc.abstractmethod
-    def take(self, trainer: str, rank: int, n: int) -> list[Job]:
-        """Admit up to n written, untaken shards, oldest first, marking them taken by (trainer, rank)."""
+    def take(self, trainer: str, rank: int, n: int, node: str | None = None) -> list[Job]:
+        """Admit up to n written, untaken shards, oldest first, marking them taken by (trainer, rank);
+        with ``node``, only shards that node wrote (a node-local store)."""
 
     @abc.abstractmethod
     def retake(self, trainer: str, rank: int, job_ids: Iterable[int]) -> list[Job]:
@@ -281,6 +290,13 @@ class Manifest(SharedQueries, abc.ABC):
     @abc.abstractmethod
     def requeue(self, job_id: int, reason: str) -> bool:
         """A shard failed verification: written/consumed -> pending for re-extraction."""
+
+    @abc.abstractmethod
+    def requeue_absent_nodes(self, nodes: list[str]) -> tuple[int, int]:
+        """Node-local stores (:mod:`.layout`), at a trainer's start: written jobs held by a node not in
+        ``nodes`` (its shards are on a disk no rank of this trainer reads: a lost node) go back to
+        pending, and consumed ones (a checkpoint covers them) are marked released, their files left
+        to that node's cleanup should it return; one transaction. Returns (requeued, released)."""
 
     @abc.abstractmethod
     def resume_trainer(self, covered: dict[int, int]) -> list[int]:

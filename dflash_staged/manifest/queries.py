@@ -15,7 +15,8 @@ import json
 import time
 from typing import Any
 
-from dflash_staged.manifest.balance import SIDES, collect
+from dflash_staged.manifest.balance import SIDES, by_node, collect, node_imbalance
+from dflash_staged.manifest.layout import KEY as LAYOUT_KEY
 from dflash_staged.manifest.states import STATES, NoSuchJobError, group_counts
 
 
@@ -57,10 +58,8 @@ class SharedQueries:
         """Jobs and real tokens per named state group (``extracted``, ``trained``, ...)."""
         return {"jobs": group_counts(self.counts()), "tokens": group_counts(self.tokens_by_state())}
 
-    def balance(self, procs=None) -> dict[str, Any]:
-        """Both sides' busy and idle figures and the bottleneck (:func:`.balance.collect`), from the live
-        registrations (``procs``, by default read now) or the last runs' final figures."""
-        finished = {}
+    def _finished_figures(self) -> dict[str, list[dict]]:
+        finished: dict[str, list[dict]] = {}
         for role in SIDES:
             finished[role] = []
             for e in self.events(f"balance:{role}"):
@@ -68,7 +67,24 @@ class SharedQueries:
                     finished[role].append(json.loads(e["detail"] or "{}"))
                 except ValueError:
                     continue
-        return collect(self.live_procs() if procs is None else procs, finished, time.time())
+        return finished
+
+    def balance(self, procs=None) -> dict[str, Any]:
+        """Both sides' busy and idle figures and the bottleneck (:func:`.balance.collect`), from the live
+        registrations (``procs``, by default read now) or the last runs' final figures."""
+        return collect(self.live_procs() if procs is None else procs, self._finished_figures(), time.time())
+
+    def nodes(self, procs=None) -> dict[str, Any] | None:
+        """Node-local stores (:mod:`.layout`): per node its window, its shards ready for its ranks and its
+        balance (:func:`.balance.by_node`), and a node starved while another's window is full
+        (``imbalance``); None with one shared store."""
+        if self.meta.get(LAYOUT_KEY) != "node":
+            return None
+        per = by_node(self.live_procs() if procs is None else procs, self._finished_figures(), time.time())
+        nodes = {
+            h: {"window": self.window(h), "ready": self.ready_count(h), "balance": b} for h, b in per.items()
+        }
+        return {"nodes": nodes, "imbalance": node_imbalance(per)}
 
     def status(self) -> dict[str, Any]:
         """What ``dflash status --json`` prints."""
@@ -93,6 +109,7 @@ class SharedQueries:
             "processes": [{"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank} for p in procs],
             "hosts": self.hosts(),
             "balance": self.balance(procs),
+            "nodes": self.nodes(procs),
         }
 
     def hosts(self) -> list[dict[str, Any]]:
@@ -135,11 +152,13 @@ class SharedQueries:
             return False
         return j.state == "claimed" and j.host == host and j.pid == pid
 
-    def shard_unwanted(self, job_id: int) -> bool:
+    def shard_unwanted(self, job_id: int, node: str | None = None) -> bool:
         """Whether no shard of job ``job_id`` should be on disk: it is released, pending or failed (a
         late rename after its job was released or requeued left one; a claimed job's old shard is
-        replaced when it publishes). False for an unknown job."""
+        replaced when it publishes), or (``node``: a node-local store, :mod:`.layout`) another node
+        holds or claimed the job. False for an unknown job."""
         try:
-            return self.job(job_id).state in ("released", "pending", "failed")
+            j = self.job(job_id)
         except NoSuchJobError:
             return False
+        return j.state in ("released", "pending", "failed") or (node is not None and j.host != node)

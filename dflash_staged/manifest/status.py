@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash_staged.manifest.balance import format_balance
+from dflash_staged.manifest.balance import format_balance, shares
 from dflash_staged.manifest.states import group_counts
 
 
@@ -31,7 +31,32 @@ def format_status(st: dict) -> str:
     )
     rows += format_hosts(st.get("hosts", []))
     rows += format_balance(st.get("balance"))
+    rows += format_nodes(st.get("nodes"))
     return "\n".join(rows)
+
+
+def format_nodes(nodes: dict | None) -> list[str]:
+    """Node-local stores: one line per node (its window, shards ready for its ranks, both sides' shares
+    over the run), and the starved node with the suggestion, if any."""
+    if not nodes:
+        return []
+    lines = []
+    for host, n in nodes["nodes"].items():
+        sides = []
+        for role in ("extract", "train"):
+            s = (n["balance"] or {}).get(role)
+            if s and sum(s["total"].values()) > 0:
+                sides.append(
+                    f"{role} " + ", ".join(f"{k[:-2]} {v:.0%}" for k, v in shares(s["total"]).items())
+                )
+        w = n["window"]
+        lines.append(
+            f"node {host}: window {w['shards']} shards {human_bytes(w['bytes'])}, {n['ready']} ready; "
+            + ("; ".join(sides) or "no figures")
+        )
+    if nodes.get("imbalance"):
+        lines.append(f"nodes: {nodes['imbalance']}")
+    return lines
 
 
 def format_hosts(hosts: list[dict]) -> list[str]:

@@ -11,10 +11,15 @@ second (:mod:`dflash_staged.train.draw`). The timeout is for the long one-rank s
 two collectives: rank 0 writing a checkpoint while the others wait in the barrier, a first step's
 compiles, a slow manifest. A rank that dies seldom holds the others that long (torchrun ends
 the ranks of its node, and NCCL reports a lost peer as an error); one that hangs does.
+
+**A lost peer** (its rank or its whole node died) fails this rank's next collective: that is reported in
+one line (:class:`PeerLostError`), not a backend traceback. With node-local stores the documented
+recovery is rerunning the trainer on the nodes that remain (``docs/multinode.md``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import uuid
@@ -26,6 +31,26 @@ from dflash_staged.errors import DflashError
 
 COLLECTIVE_TIMEOUT_S = 2 * 3600.0
 TIMEOUT_ENV = "DFLASH_TRAIN_COLLECTIVE_TIMEOUT_S"
+
+
+class PeerLostError(DflashError):
+    """A collective failed: another rank is gone."""
+
+
+@contextlib.contextmanager
+def collective(what: str, rank: int):
+    """Run one collective; a backend error (a peer died, its connection closed) as :class:`PeerLostError`."""
+    try:
+        yield
+    except DflashError:
+        raise
+    except RuntimeError as e:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+        detail = " ".join(str(e).split())[:300]
+        raise PeerLostError(
+            f"train rank {rank}: the collective {what} failed ({detail}): another trainer rank is gone (its "
+            "process or its node died). Rerun the trainer command (with --node-local stores, on the nodes "
+            "that remain: the lost node's shards go back to extract; docs/multinode.md)"
+        ) from None
 
 
 def collective_timeout_s() -> float:
@@ -86,7 +111,8 @@ class Dist:
         if not self.enabled:
             return n
         t = torch.tensor([n], dtype=torch.long, device=self._comm_device())
-        self.td.all_reduce(t)
+        with collective("all_reduce", self.rank):
+            self.td.all_reduce(t)
         return int(t.item())
 
     def _comm_device(self) -> torch.device:
@@ -96,7 +122,8 @@ class Dist:
         if not self.enabled or not tensors:
             return
         flat = torch.cat([t.reshape(-1).float() for t in tensors]).to(self._comm_device())
-        self.td.all_reduce(flat)
+        with collective("all_reduce", self.rank):
+            self.td.all_reduce(flat)
         off = 0
         for t in tensors:
             n = t.numel()
@@ -107,19 +134,22 @@ class Dist:
         if not self.enabled:
             return list(items)
         out: list[Any] = [None] * self.world
-        self.td.all_gather_object(out, items)
+        with collective("all_gather", self.rank):
+            self.td.all_gather_object(out, items)
         return [x for part in out for x in part]
 
     def gather_obj(self, obj) -> list:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world
-        self.td.all_gather_object(out, obj)
+        with collective("all_gather", self.rank):
+            self.td.all_gather_object(out, obj)
         return out
 
     def barrier(self) -> None:
         if self.enabled:
-            self.td.barrier()
+            with collective("barrier", self.rank):
+                self.td.barrier()
 
     def close(self) -> None:
         if self.enabled:

@@ -77,7 +77,7 @@ def raise_together(t, check) -> None:
 
 def window_full(t, s: WindowSettings) -> bool:
     """Whether extract's window (``s``: the settings it published) has no room for another claim."""
-    w = t.m.window()
+    w = t.m.window(t.ledger.node)  # node-local stores: this node's window
     return w["shards"] >= s.shards or bool(s.window_bytes and w["bytes"] >= s.window_bytes)
 
 
@@ -105,9 +105,9 @@ def gather_step(t, stop) -> StepData | None:
         if t.dist.any(bool(stop)):
             return None
         if t.ledger.holds_unreleased(t.step):  # the same on every rank: the ledger is global
-            if t.dist.rank == 0 and window is None:
+            if t.ledger.deletes and window is None:  # rank 0, or each node's first rank (node-local)
                 window = published_window(t)
-            if scheduled >= CHECKPOINT_AFTER_S or t.dist.any(t.dist.rank == 0 and window_full(t, window)):
+            if scheduled >= CHECKPOINT_AFTER_S or t.dist.any(t.ledger.deletes and window_full(t, window)):
                 t.checkpoint_and_release()
         if scheduled >= WAIT_POLL_S:
             raise_together(t, t.source.check_progress_possible)

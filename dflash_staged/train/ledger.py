@@ -19,7 +19,10 @@ Rules (the state machine itself is :mod:`dflash_staged.manifest.states`):
 * on resume, the checkpoint's record decides what happened: listed jobs are consumed (and
   released now if they were not yet), every other consumed job returns to ``written``.
 
-Only rank 0 of a live run writes to the manifest; a replay never does.
+Only rank 0 of a live run records consumption and reconciles; a replay never writes. Rank 0 also
+deletes and releases, except with node-local stores (:mod:`dflash_staged.manifest.layout`), where the
+lowest rank of each node deletes and releases its node's shards (after rank 0 has reconciled, on
+resume).
 """
 
 from __future__ import annotations
@@ -59,9 +62,22 @@ def token_digest(ids) -> str:
 class Ledger:
     """What each step consumed, and the manifest bookkeeping around checkpoints."""
 
-    def __init__(self, m: Manifest, store, *, live: bool, rank: int, keep_shards: bool):
+    def __init__(
+        self,
+        m: Manifest,
+        store,
+        *,
+        live: bool,
+        rank: int,
+        keep_shards: bool,
+        node: str | None = None,
+        nodes: tuple[str, ...] = (),
+        node_leader: bool = False,
+    ):
         self.m, self.store = m, store
         self.live, self.rank, self.keep_shards = live, rank, keep_shards
+        # node-local stores: this rank's node, the trainer job's nodes, whether it deletes its node's shards
+        self.node, self.nodes, self.node_leader = node, tuple(nodes), node_leader
         self.consumed: dict[int, list[Consumed]] = {}
         self.checkpointed = 0  # the step the newest durable checkpoint covers
         self.remover = Remover()  # released shards' files go on a background thread
@@ -69,7 +85,13 @@ class Ledger:
 
     @property
     def writes(self) -> bool:
+        """This rank records consumption and reconciles (rank 0 of a live run)."""
         return self.live and self.rank == 0
+
+    @property
+    def deletes(self) -> bool:
+        """This rank deletes and releases shards: rank 0, or each node's lowest rank (node-local)."""
+        return self.live and (self.node_leader if self.node is not None else self.rank == 0)
 
     def record(self, step: int, items: list[Consumed]) -> None:
         """Step ``step`` completed using these shards (``items`` from every rank); the manifest
@@ -89,9 +111,9 @@ class Ledger:
     def checkpoint_done(self, step: int) -> None:
         """A checkpoint covering ``step`` is durable: release (or keep) what it covers."""
         self.checkpointed = step
-        if self.writes:
+        if self.deletes:
             self.poll(wait=True)  # the previous batch first: its jobs are still consumed until then
-            self._release([j.id for j in self.m.consumed_upto(step)])
+            self._release([j.id for j in self.m.consumed_upto(step) if self.node in (None, j.host)])
 
     def poll(self, wait: bool = False) -> None:
         """Mark the batch being deleted released once its files are gone (``wait``: wait for that)."""
@@ -111,9 +133,26 @@ class Ledger:
         self.checkpointed = int(state["step"])
 
     def reconcile(self) -> None:
-        """Make the manifest agree with the record (resume, rank 0 of a live run)."""
+        """Make the manifest agree with the record (resume, rank 0 of a live run); with node-local
+        stores also return a lost node's written jobs to extract (its shards are gone with it)."""
         if self.writes:
-            self._release(self.m.resume_trainer(self.covered()))
+            covered = self.m.resume_trainer(self.covered())
+            if self.node is None:
+                self._release(covered)
+                return
+            requeued, released = self.m.requeue_absent_nodes(list(self.nodes))
+            if requeued or released:
+                print(
+                    f"train: {requeued} written job(s) of nodes outside this trainer job "
+                    f"({', '.join(self.nodes)}) go back to extract; {released} consumed one(s) are released",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def release_node(self) -> None:
+        """Node-local stores, after rank 0 reconciled: release this node's covered shards (its leader)."""
+        if self.node is not None and self.deletes:
+            self._release([j.id for j in self.m.jobs("consumed") if j.host == self.node])
 
     def _release(self, job_ids: list[int]) -> None:
         if not job_ids:
@@ -129,7 +168,7 @@ class Ledger:
     def close(self) -> None:
         """Wait until the released shards' files are gone, and mark them released."""
         self.remover.wait()
-        if self.writes and self.deleting:
+        if self.deletes and self.deleting:
             try:
                 self.poll(wait=True)
             except DflashError as e:  # the manifest is gone: a resume releases them (reconcile)

@@ -25,3 +25,4 @@ class TrainOptions:
     # Stop (with a checkpoint) once this many seconds of the loop have passed; the schedule's length is
     # then refitted each step to the steps the time left affords (train.loop.TimeBudget)
     time_budget_s: float | None = None
+    node_local: bool = False  # a store per node: each rank trains on its node's shards (manifest.layout)

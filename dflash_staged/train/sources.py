@@ -33,20 +33,25 @@ class Forced:
 class LiveSource:
     live = True
 
-    def __init__(self, manifest: Manifest, store, trainer_id: str, rank: int):
+    def __init__(self, manifest: Manifest, store, trainer_id: str, rank: int, node: str | None = None):
         self.m, self.store, self.trainer_id, self.rank = manifest, store, trainer_id, rank
+        self.node = node  # node-local stores: this rank's node, whose shards alone it takes
         self._no_extractor_since: float | None = None
 
     def fill(self, buffer) -> None:
         if buffer.free:
-            buffer.admit(self.m.take(self.trainer_id, self.rank, buffer.free))
+            buffer.admit(self.m.take(self.trainer_id, self.rank, buffer.free, node=self.node))
 
     def admit_ids(self, buffer, ids: list[int]) -> None:
-        """Re-admit a checkpoint's buffer contents (in order) after resume."""
+        """Re-admit a checkpoint's buffer contents (in order) after resume: with node-local stores only
+        those its node holds (a job with fewer nodes gives a rank another node's buffer to resume)."""
+        if self.node is not None:
+            ids = [i for i in ids if self.m.job(i).host == self.node]
         buffer.admit(self.m.retake(self.trainer_id, self.rank, ids))
 
     def finished(self) -> bool:
-        return self.m.extract_done() and self.m.ready_count() == 0
+        """Nothing more will come: extraction is done and no shard this rank may take is left."""
+        return self.m.extract_done() and self.m.ready_count(self.node) == 0
 
     def state_dict(self) -> dict:  # the manifest is the live source's state
         return {"replay_pos": None}
@@ -101,13 +106,20 @@ class ReplaySource:
 
     live = False
 
-    def __init__(self, manifest: Manifest, store, passes: int = 1, order: dict[int, list[int]] | None = None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        store,
+        passes: int = 1,
+        order: dict[int, list[int]] | None = None,
+        node: str | None = None,
+    ):
         self.m, self.store = manifest, store
-        kept = [j for j in manifest.jobs("kept")]
+        kept = [j for j in manifest.jobs("kept") if node is None or j.host == node]  # node: this node's
         if not kept:
             raise DflashError(
-                f"{manifest.address} has no kept shards to replay; run the live trainer with "
-                "--keep-shards first"
+                f"{manifest.address} has no kept shards to replay{f' on node {node}' if node else ''}; run "
+                "the live trainer with --keep-shards first"
             )
         kept.sort(key=lambda j: (j.epoch, j.pos))
         self.by_id = {j.id: j for j in kept}

@@ -14,6 +14,7 @@ registers them, in restore order, in ``Trainer.states``: the one place to add on
 from __future__ import annotations
 
 import base64
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import torch
 from dflash_staged.config import Config
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
+from dflash_staged.manifest.layout import node_of, settle_layout, unwanted_here
 from dflash_staged.procs import HOST
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
@@ -137,14 +139,28 @@ class Trainer:
                 f"checkpoint {where} belongs to manifest {state['manifest_id']}, not "
                 f"{self.m.address} ({self.m.manifest_id}); use a new --out for this manifest"
             )
-        if state.get("world", 1) != self.dist.world:
+        world = state.get("world", 1)
+        shrunk = self.ledger.node is not None and world > self.dist.world  # a node-local job without a node
+        if world != self.dist.world and not shrunk:
             raise DflashError(
-                f"checkpoint {where} was written by {state.get('world', 1)} rank(s), this run has "
+                f"checkpoint {where} was written by {world} rank(s), this run has "
                 f"{self.dist.world}; resume with the same number of trainer ranks"
+                + (" (with --node-local stores: as many or fewer)" if self.ledger.node is not None else "")
+            )
+        if shrunk and self.dist.rank == 0:
+            print(
+                f"train: resuming {world} rank(s)' checkpoint with {self.dist.world} (node-local stores: the "
+                "shards of nodes no longer in the job go back to extract)",
+                file=sys.stderr,
+                flush=True,
             )
         self.step = int(state["step"])
         if self.opts.total_steps is None:
             self.total_steps = int(state["total_steps"])  # the schedule continues as it began
+            if shrunk:  # fewer ranks take fewer jobs a step: the schedule stretches over the steps left
+                done = sum(len(v) for v in state["consumed"].values())
+                left = sum(self.m.counts().values()) - done
+                self.total_steps = self.step + -(-left // (self.cfg.train.grad_accum * self.dist.world))
 
     def close(self, finished: bool = False) -> None:
         """Close every component. ``finished``: the loop returned on every rank (not an error), so the
@@ -156,8 +172,9 @@ class Trainer:
         self.ledger.close()
         if not self.opts.replay:
             try:
-                if self.dist.rank == 0:  # leftovers of writers that died after the last extract exited
-                    self.store.cleanup_temp(claimed=self.m.holds_claim, unwanted=self.m.shard_unwanted)
+                if self.ledger.deletes:  # leftovers of writers that died after the last extract exited
+                    unwanted = functools.partial(self.m.shard_unwanted, node=self.ledger.node)
+                    self.store.cleanup_temp(claimed=self.m.holds_claim, unwanted=unwanted)
                 self.m.unregister_me("train")
             except DflashError as e:  # the manifest's server is gone: its lease lets the registration lapse
                 print(
@@ -199,25 +216,33 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         dist.rank == 0
     ):  # the one writer of checkpoints (on a shared filesystem, ranks of other nodes see them too)
         ckpt.cleanup_tmp(opts.out)
+    nodes = dist.gather_obj(HOST)  # each rank's node
+    # a replay writes nothing: with --node-local it replays this node's kept shards, else every kept shard
+    if opts.replay:
+        layout = "node" if opts.node_local else "shared"
+    else:
+        layout = settle_layout(m, opts.node_local, "dflash train")
+    node = node_of(layout)
+    leader = dist.rank == (nodes.index(HOST) if node else 0)  # deletes (and cleans) its node's shards
     if not opts.replay:
         m.register(
             "train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)}
         )
-        inputs.check_window(m, cfg, dist.world)
+        inputs.check_window(m, cfg, nodes.count(HOST) if node else dist.world)
     store = inputs.wait_for_store(opts, m)
-    if not opts.replay and dist.rank == 0:
+    if not opts.replay and leader:
         # half-deleted shards of a killed trainer, half-written ones of dead workers, stale ones
-        store.cleanup_temp(claimed=m.holds_claim, unwanted=m.shard_unwanted)
+        store.cleanup_temp(claimed=m.holds_claim, unwanted=unwanted_here(m, layout))
     norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
     drafter = build_drafter(cfg, store, device, opts.init_from)
     model = DrafterModel(drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device))
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:
         order = inputs.load_order(opts.order_from) if opts.order_from else None
-        source = ReplaySource(m, store, passes=opts.passes, order=order)
+        source = ReplaySource(m, store, passes=opts.passes, order=order, node=node)
         natural = len(order) if order else -(-len(source.sequence) // world_steps)
     else:
-        source = LiveSource(m, store, dist.group_id, dist.rank)
+        source = LiveSource(m, store, dist.group_id, dist.rank, node=node)
         natural = -(-sum(m.counts().values()) // world_steps)
     t = Trainer(
         opts=opts,
@@ -229,7 +254,16 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         optim=Optimizer(model.params, cfg.train, dist),
         source=source,
         buffer=ShardBuffer(store, cfg.train.buffer_capacity, verify=opts.verify),
-        ledger=Ledger(m, store, live=not opts.replay, rank=dist.rank, keep_shards=opts.keep_shards),
+        ledger=Ledger(
+            m,
+            store,
+            live=not opts.replay,
+            rank=dist.rank,
+            keep_shards=opts.keep_shards,
+            node=node,
+            nodes=tuple(sorted(set(nodes))),
+            node_leader=leader,
+        ),
         metrics=MetricsLog(opts.out, enabled=dist.rank == 0, tensorboard=opts.tensorboard),
         progress=Progress(0, enabled=dist.rank == 0),
         draw_gen=torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17 + dist.rank),
@@ -270,6 +304,14 @@ def resume(t: Trainer) -> None:
     """Restore the newest checkpoint (if any) and reconcile the manifest with it."""
     opts, m, dist = t.opts, t.m, t.dist
     latest = ckpt.latest_checkpoint(opts.out)
+    seen = dist.gather_obj(latest.name if latest is not None else None)
+    if len(set(seen)) > 1:  # a run directory that is not shared (node-local disks): ranks would diverge
+        raise DflashError(
+            f"the ranks see different newest checkpoints in {opts.out} ("
+            + ", ".join(f"rank {r}: {s or 'none'}" for r, s in enumerate(seen))
+            + "): --out must be one directory every rank reads (a shared filesystem), or copy the newest "
+            "checkpoint to the same path on every node before rerunning (docs/multinode.md)"
+        )
     if latest is None and not opts.replay:
         c = m.counts()
         if c["released"] or c["kept"]:
@@ -283,6 +325,7 @@ def resume(t: Trainer) -> None:
         ckpt.load_checkpoint(latest).restore(t.states, dist.rank)
     t.ledger.reconcile()
     dist.barrier()
+    t.ledger.release_node()  # node-local stores: each node's covered shards, by its leader
     if t.buffer.to_readmit:
         t.source.admit_ids(t.buffer, t.buffer.to_readmit)
     dist.barrier()  # every rank has its checkpointed buffer back before any takes new shards

@@ -72,7 +72,13 @@ class PgClaims:
         return self._s.run(body, tx=False)
 
     def claim(
-        self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0
+        self,
+        worker: str,
+        *,
+        window: int,
+        window_bytes: int = 0,
+        lease_s: float = 300.0,
+        node: str | None = None,
     ) -> ClaimResult:
         host, pid, start = my_identity()
         token = uuid.uuid4().hex
@@ -81,11 +87,11 @@ class PgClaims:
             if again:  # the first try may have committed: find what it claimed
                 r = one(cur, "SELECT * FROM jobs WHERE op_token = %s AND state = 'claimed'", (token,))
                 if r is not None:
-                    return ClaimResult(Job.from_row(r), window=self._window(cur))
+                    return ClaimResult(Job.from_row(r), window=self._window(cur, node))
             reclaim_dead_here(cur)
             r = one(
                 cur,
-                "SELECT * FROM claim_next(hashtext(%s), %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                "SELECT * FROM claim_next(hashtext(%s), %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::text)",
                 (
                     self.addr.name + ":window",
                     self.CLAIM_LOCK == "advisory",
@@ -98,6 +104,7 @@ class PgClaims:
                     start,
                     float(lease_s),
                     token,
+                    node,
                 ),
             )
             w = {"shards": int(r["shards"]), "bytes": int(r["nbytes"])}

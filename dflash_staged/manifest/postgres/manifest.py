@@ -36,7 +36,13 @@ from dflash_staged.manifest.base import Manifest, register_backend
 from dflash_staged.manifest.postgres.claims import PgClaims
 from dflash_staged.manifest.postgres.conn import PgAddress, Session, driver, one
 from dflash_staged.manifest.postgres.procs import Registry
-from dflash_staged.manifest.postgres.schema import NOW, SampleReader, create_tables, schema_kind
+from dflash_staged.manifest.postgres.schema import (
+    NOW,
+    SampleReader,
+    create_tables,
+    ensure_claim_function,
+    schema_kind,
+)
 from dflash_staged.manifest.postgres.trainer import PgTrainer
 from dflash_staged.manifest.states import (
     IN_WINDOW,
@@ -119,6 +125,8 @@ class PostgresManifest(PgClaims, PgTrainer, Manifest):
                 )
             version = s.run(lambda cur, _: one(cur, "SELECT value FROM meta WHERE key='format_version'"))
             check_format_version(json.loads(version["value"]) if version else None, addr.display)
+            if not readonly:
+                s.run(lambda cur, _: ensure_claim_function(cur, addr.name))
         except BaseException:
             s.close()
             raise
@@ -206,22 +214,24 @@ class PostgresManifest(PgClaims, PgTrainer, Manifest):
         return self._all(sql)
 
     @staticmethod
-    def _window(cur) -> dict[str, int]:
+    def _window(cur, node: str | None = None) -> dict[str, int]:
         r = one(
             cur,
             "SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN state = 'claimed' THEN real_tokens::bigint * "
             "COALESCE((SELECT value::bigint FROM meta WHERE key = 'bytes_per_token'), 0) ELSE "
-            f"COALESCE(shard_bytes, 0) END), 0) AS b FROM jobs WHERE state IN {_IN(IN_WINDOW)}",
+            f"COALESCE(shard_bytes, 0) END), 0) AS b FROM jobs WHERE state IN {_IN(IN_WINDOW)} "
+            "AND (%s::text IS NULL OR host = %s::text)",
+            (node, node),
         )
         return {"shards": int(r["n"]), "bytes": int(r["b"])}
 
-    def window(self) -> dict[str, int]:
-        return self._run(lambda cur, _: self._window(cur))
+    def window(self, node: str | None = None) -> dict[str, int]:
+        return self._run(lambda cur, _: self._window(cur, node))
 
-    def ready_count(self) -> int:
-        return int(
-            self._all("SELECT COUNT(*) AS n FROM jobs WHERE state = 'written' AND taken_by IS NULL")[0]["n"]
-        )
+    def ready_count(self, node: str | None = None) -> int:
+        q = "SELECT COUNT(*) AS n FROM jobs WHERE state = 'written' AND taken_by IS NULL"
+        q += " AND (%s::text IS NULL OR host = %s::text)"
+        return int(self._all(q, (node, node))[0]["n"])
 
     def consumed_upto(self, step: int) -> list[Job]:
         return [

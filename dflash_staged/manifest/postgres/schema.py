@@ -65,7 +65,8 @@ CREATE TABLE samples (name text NOT NULL, chunk integer NOT NULL, data bytea NOT
 CREATE SEQUENCE written_seq;
 """
 
-# claim_next: the window check and the claim as one server-side statement, so the window lock
+# claim_next: the window check (with p_node, the window of that node's jobs: a node-local store) and
+# the claim as one server-side statement, so the window lock
 # is held only while the server runs it, never across a network round trip (a client cut off
 # midway cannot stall every other claimer). In READ COMMITTED each statement of a volatile
 # function takes a new snapshot: after the lock, the count sees every claim committed before it.
@@ -75,7 +76,7 @@ CREATE SEQUENCE written_seq;
 CLAIM_FUNCTION = f"""
 CREATE FUNCTION claim_next(p_key integer, p_lock boolean, p_window bigint, p_window_bytes bigint,
     p_worker text, p_host text, p_boot text, p_pid integer, p_pid_start bigint, p_lease double precision,
-    p_token text,
+    p_token text, p_node text,
     OUT status text, OUT shards bigint, OUT nbytes bigint, OUT job jsonb) LANGUAGE plpgsql AS $$
 DECLARE
   now_s double precision;
@@ -96,7 +97,8 @@ BEGIN
   bpt := COALESCE((SELECT value::bigint FROM meta WHERE key = 'bytes_per_token'), 0);
   SELECT COUNT(*), COALESCE(SUM(CASE WHEN state = 'claimed' THEN real_tokens::bigint * bpt
                                      ELSE COALESCE(shard_bytes, 0) END), 0)
-    INTO shards, nbytes FROM jobs WHERE state IN ('claimed', 'written', 'consumed');
+    INTO shards, nbytes FROM jobs
+    WHERE state IN ('claimed', 'written', 'consumed') AND (p_node IS NULL OR host = p_node);
   SELECT id INTO pick FROM jobs WHERE state = 'pending' ORDER BY epoch, pos LIMIT 1 FOR UPDATE SKIP LOCKED;
   IF pick IS NULL THEN
     status := CASE WHEN EXISTS (SELECT 1 FROM jobs WHERE state IN ('pending', 'claimed'))
@@ -112,6 +114,22 @@ BEGIN
   END IF;
 END $$
 """
+
+
+CLAIM_SIGNATURE = (
+    "claim_next(integer,boolean,bigint,bigint,text,text,text,integer,bigint,double precision,text,text)"
+)
+
+
+def ensure_claim_function(cur, name: str) -> None:
+    """Create this version's ``claim_next`` in a manifest planned before it took ``p_node`` (the
+    older overload stays, unused); serialised by an advisory lock, so concurrent openers create it once."""
+    probe = "SELECT to_regprocedure(%s) IS NOT NULL AS ok"
+    if cur.execute(probe, (f"{name}.{CLAIM_SIGNATURE}",)).fetchone()["ok"]:
+        return
+    cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_NS, name + ":schema"))
+    if not cur.execute(probe, (f"{name}.{CLAIM_SIGNATURE}",)).fetchone()["ok"]:
+        cur.execute(CLAIM_FUNCTION)
 
 
 def create_tables(cur, pg, name: str, plan_kw: dict) -> None:

@@ -29,7 +29,7 @@ class PgTrainer:
     """The train side of a :class:`~dflash_staged.manifest.postgres.PostgresManifest`, on its
     ``_run`` (``fenced=True``) and ``_event``; see the module docstring."""
 
-    def take(self, trainer: str, rank: int, n: int) -> list[Job]:
+    def take(self, trainer: str, rank: int, n: int, node: str | None = None) -> list[Job]:
         token = uuid.uuid4().hex
 
         def body(cur, again):
@@ -44,8 +44,9 @@ class PgTrainer:
                 r["id"]
                 for r in cur.execute(
                     "SELECT id FROM jobs WHERE state = 'written' AND taken_by IS NULL "
+                    "AND (%s::text IS NULL OR host = %s::text) "
                     "ORDER BY written_seq LIMIT %s FOR UPDATE SKIP LOCKED",
-                    (n,),
+                    (node, node, n),
                 ).fetchall()
             ]
             if not ids:
@@ -126,6 +127,31 @@ class PgTrainer:
             if n:
                 self._event(cur, job_id, "requeue", reason[:2000])
             return bool(n)
+
+        return self._run(body, fenced=True)
+
+    def requeue_absent_nodes(self, nodes: list[str]) -> tuple[int, int]:
+        keep = sorted(set(nodes))
+
+        def body(cur, _):
+            absent = "host IS NOT NULL AND host <> ALL(%s)"
+            ids = [
+                r["id"]
+                for r in cur.execute(
+                    "UPDATE jobs SET state = 'pending', shard_bytes = NULL, checksum = NULL, "
+                    "written_seq = NULL, taken_by = NULL, rank = NULL, step = NULL, worker = NULL, "
+                    f"updated = {NOW} WHERE state = 'written' AND {absent} RETURNING id",
+                    (keep,),
+                ).fetchall()
+            ]
+            for i in ids:
+                self._event(cur, i, "requeue", "lost node: its shard is on a node outside this trainer job")
+            gone = cur.execute(
+                f"UPDATE jobs SET state = 'released', taken_by = NULL, updated = {NOW} "
+                f"WHERE state = 'consumed' AND {absent}",
+                (keep,),
+            ).rowcount
+            return len(ids), gone
 
         return self._run(body, fenced=True)
 

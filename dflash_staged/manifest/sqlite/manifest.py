@@ -208,19 +208,22 @@ class SqliteManifest(SqliteTransitions, Manifest):
     def _query(self, sql: str) -> list[sqlite3.Row]:
         return self._conn.execute(sql).fetchall()
 
-    def window(self, conn: sqlite3.Connection | None = None) -> dict[str, int]:
+    def window(self, node: str | None = None, conn: sqlite3.Connection | None = None) -> dict[str, int]:
         c = conn or self._conn
         bpt = c.execute("SELECT value FROM meta WHERE key = 'bytes_per_token'").fetchone()
         r = c.execute(
             "SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN state='claimed' THEN real_tokens * ? "
-            f"ELSE COALESCE(shard_bytes, 0) END), 0) AS b FROM jobs WHERE state IN {_IN(IN_WINDOW)}",
-            (int(json.loads(bpt["value"])) if bpt else 0,),
+            f"ELSE COALESCE(shard_bytes, 0) END), 0) AS b FROM jobs WHERE state IN {_IN(IN_WINDOW)} "
+            "AND (? IS NULL OR host = ?)",
+            (int(json.loads(bpt["value"])) if bpt else 0, node, node),
         ).fetchone()
         return {"shards": int(r["n"]), "bytes": int(r["b"])}
 
-    def ready_count(self) -> int:
+    def ready_count(self, node: str | None = None) -> int:
         return self._conn.execute(
-            "SELECT COUNT(*) FROM jobs WHERE state='written' AND taken_by IS NULL"
+            "SELECT COUNT(*) FROM jobs WHERE state='written' AND taken_by IS NULL "
+            "AND (? IS NULL OR host = ?)",
+            (node, node),
         ).fetchone()[0]
 
     def consumed_upto(self, step: int) -> list[Job]:

@@ -11,6 +11,7 @@ process is gone, returns it to pending.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -49,13 +50,19 @@ class SqliteTransitions:
             return self._reclaim_stale(c, time.time())
 
     def claim(
-        self, worker: str, *, window: int, window_bytes: int = 0, lease_s: float = 300.0
+        self,
+        worker: str,
+        *,
+        window: int,
+        window_bytes: int = 0,
+        lease_s: float = 300.0,
+        node: str | None = None,
     ) -> ClaimResult:
         host, pid, start = my_identity()
         now = time.time()
         with self._tx(durable=False) as c:  # a claim lost in a power loss: its worker went too
             self._reclaim_stale(c, now)
-            w = self.window(c)
+            w = self.window(node, c)
             row = c.execute(
                 "SELECT id FROM jobs WHERE state = 'pending' ORDER BY epoch, pos LIMIT 1"
             ).fetchone()
@@ -143,14 +150,14 @@ class SqliteTransitions:
         rows = c.execute(f"SELECT * FROM jobs WHERE id IN ({','.join('?' * len(ids))})", ids) if ids else []
         return {r["id"]: Job.from_row(r) for r in rows}
 
-    def take(self, trainer: str, rank: int, n: int) -> list[Job]:
+    def take(self, trainer: str, rank: int, n: int, node: str | None = None) -> list[Job]:
         with self._tx() as c:
             ids = [
                 r["id"]
                 for r in c.execute(
                     "SELECT id FROM jobs WHERE state='written' AND taken_by IS NULL "
-                    "ORDER BY written_seq LIMIT ?",
-                    (n,),
+                    "AND (? IS NULL OR host = ?) ORDER BY written_seq LIMIT ?",
+                    (node, node, n),
                 ).fetchall()
             ]
             c.executemany("UPDATE jobs SET taken_by=?, rank=? WHERE id=?", [(trainer, rank, i) for i in ids])
@@ -207,6 +214,27 @@ class SqliteTransitions:
             if n:
                 self._event(c, job_id, "requeue", reason[:2000])
             return bool(n)
+
+    def requeue_absent_nodes(self, nodes: list[str]) -> tuple[int, int]:
+        now, keep = time.time(), json.dumps(sorted(set(nodes)))
+        absent = "host IS NOT NULL AND host NOT IN (SELECT value FROM json_each(?))"
+        with self._tx() as c:
+            ids = [
+                r[0] for r in c.execute(f"SELECT id FROM jobs WHERE state='written' AND {absent}", (keep,))
+            ]
+            c.executemany(
+                "UPDATE jobs SET state='pending', shard_bytes=NULL, checksum=NULL, written_seq=NULL, "
+                "taken_by=NULL, rank=NULL, step=NULL, worker=NULL, updated=? WHERE id=?",
+                [(now, i) for i in ids],
+            )
+            for i in ids:
+                self._event(c, i, "requeue", "lost node: its shard is on a node outside this trainer job")
+            gone = c.execute(
+                f"UPDATE jobs SET state='released', taken_by=NULL, updated=? "
+                f"WHERE state='consumed' AND {absent}",
+                (now, keep),
+            ).rowcount
+        return len(ids), gone
 
     def resume_trainer(self, covered: dict[int, int]) -> list[int]:
         now = time.time()

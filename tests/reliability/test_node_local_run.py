@@ -1,0 +1,230 @@
+"""Two nodes, no shared store: each node's extract writes into its own store, and its trainer rank (one
+torchrun job spanning both nodes, gloo on the loopback) trains only on that store's shards
+(dflash_staged.manifest.layout). The nodes are simulated on this machine with DFLASH_NODE_NAME, each
+process given only its own node's store path; one PostgreSQL manifest."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash_staged.manifest import Manifest
+from dflash_staged.manifest.status import format_nodes
+
+from helpers import ROOT, plan, start
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
+
+WINDOW = 6
+EXTRA = "[data]\ntoken_budget = 512\n[extract]\nlease_s = 2.0\n"
+HIDDEN = 128  # the tiny target's
+NODES = ("node-a", "node-b")
+
+
+def node_env(node: str, **fake) -> dict:
+    env = hooked_env(fake_target={"hidden": HIDDEN, **fake})
+    env["DFLASH_NODE_NAME"] = node
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def extract_args(url, store) -> list:
+    return [
+        "extract",
+        "--manifest",
+        url,
+        "--store",
+        store,
+        "--devices",
+        "cpu",
+        "--window",
+        WINDOW,
+        "--node-local",
+    ]
+
+
+def spawn(args: list, log, env) -> subprocess.Popen:
+    """``python ARGS`` in a session of its own (a node's processes die together: os.killpg)."""
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(map(str, args))}\n")
+        f.flush()
+        return subprocess.Popen(
+            [sys.executable, *map(str, args)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def torchrun(rank: int, port: int, url, store, run_dir, log, env, nnodes: int = 2) -> subprocess.Popen:
+    cmd = [
+        "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
+        "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "-m", "dflash_staged", "train", "--manifest", url, "--store", str(store), "--out", str(run_dir),
+        "--device", "cpu", "--node-local",
+    ]  # fmt: skip
+    return spawn(cmd, log, env)
+
+
+def test_two_nodes_each_train_on_their_own_store(tmp_path, pg):
+    from pgcluster import free_port
+
+    url = plan(tmp_path, n=32, epochs=2, extra=EXTRA, manifest=pg.url())
+    stores = {n: tmp_path / f"store-{n}" for n in NODES}
+    run_dir, port = tmp_path / "run", free_port()
+    procs = []
+    for i, node in enumerate(NODES):
+        env = node_env(node, delay_s=0.05 if i == 0 else 0.15)  # uneven nodes: node-a extracts 3x faster
+        procs.append(start(extract_args(url, stores[node]), tmp_path / f"extract-{node}.log", env))
+        procs.append(torchrun(i, port, url, stores[node], run_dir, tmp_path / f"train-{node}.log", env))
+    m = Manifest.open(url, readonly=True)
+    peak = dict.fromkeys(NODES, 0)
+    try:
+        t0 = time.time()
+        while any(p.poll() is None for p in procs):
+            assert time.time() - t0 < 300, "the run did not finish"
+            for node in NODES:
+                peak[node] = max(peak[node], m.window(node)["shards"])
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("*.log")))
+    assert all(p.returncode == 0 for p in procs) and "Traceback" not in logs, logs[-4000:]
+    state = assert_exactly_once(url, run_dir)
+    writer = {j.id: j.host for j in m.jobs()}
+    assert set(writer.values()) == set(NODES)
+    trained_on = {c.job: NODES[c.rank] for items in state.consumed().values() for c in items}
+    wrong = {j: (writer[j], n) for j, n in trained_on.items() if writer[j] != n}
+    assert not wrong, f"jobs trained by a rank of another node than the one holding the shard: {wrong}"
+    assert m.events("requeue") == []  # no rank looked for a shard in its store that was not there
+    assert all(0 < peak[n] <= WINDOW for n in NODES), peak
+    per_node = {n: sum(1 for h in writer.values() if h == n) for n in NODES}
+    print(f"\njobs {len(writer)}, written per node {per_node}, peak shards per node {peak}")
+    m.close()
+    for node in NODES:
+        assert scan_store(stores[node])["published"] == [], node
+    st = assert_all_released_and_clean(url, stores["node-a"], run_dir)
+    nodes = st["nodes"]["nodes"]  # dflash status: per node, both sides' final figures
+    assert set(nodes) == set(NODES), nodes
+    for node in NODES:
+        assert nodes[node]["balance"]["extract"] and nodes[node]["balance"]["train"], (node, nodes[node])
+        assert nodes[node]["window"] == {"shards": 0, "bytes": 0}
+    print("\n".join(format_nodes(st["nodes"])))
+
+
+@pytest.mark.slow
+def test_a_node_back_with_stale_shards_removes_them(tmp_path, pg):
+    """node-a extracts everything (no trainer); node-b comes up holding a copy of node-a's shards (jobs
+    it does not hold) and a shard of a released job: its extract removes them all, node-a's stay."""
+    url = plan(tmp_path, n=8, epochs=1, extra=EXTRA, manifest=pg.url())
+    a, b = tmp_path / "store-a", tmp_path / "store-b"
+    env_a = node_env("node-a", delay_s=0.0)
+    cmd = [sys.executable, "-m", "dflash_staged", *map(str, extract_args(url, a)), "--window", "100"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env_a, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    published = scan_store(a)["published"]
+    assert published
+    shutil.copytree(a, b)
+    cmd_b = [sys.executable, "-m", "dflash_staged", *map(str, extract_args(url, b))]
+    r = subprocess.run(cmd_b, cwd=ROOT, env=node_env("node-b"), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert scan_store(b)["published"] == [], r.stderr[-2000:]
+    assert scan_store(a)["published"] == published
+
+
+def test_a_node_lost_whole_and_the_job_rerun_without_it(tmp_path, pg):
+    """node-b (its extract, its torchrun and rank) is killed with SIGKILL once a checkpoint released shards
+    and it holds written ones; node-a's rank loses its peer at the next collective and exits; node-a's
+    trainer is rerun alone (--nnodes 1, the documented rerun): node-b's written jobs go back to extract,
+    node-a re-extracts them, every job is trained exactly once. node-b then comes back and cleans its disk."""
+    from pgcluster import free_port
+
+    url = plan(tmp_path, n=48, epochs=2, extra=EXTRA, manifest=pg.url())
+    stores = {n: tmp_path / f"store-{n}" for n in NODES}
+    run_dir, port = tmp_path / "run", free_port()
+    envs = {n: node_env(n, delay_s=0.15) for n in NODES}
+    procs = {}
+    for i, node in enumerate(NODES):
+        procs[f"extract-{node}"] = spawn(
+            ["-m", "dflash_staged", *extract_args(url, stores[node])],
+            tmp_path / f"extract-{node}.log",
+            envs[node],
+        )
+        procs[f"train-{node}"] = torchrun(
+            i, port, url, stores[node], run_dir, tmp_path / f"train-{node}.log", envs[node]
+        )
+    m = Manifest.open(url, readonly=True)
+
+    def logs() -> str:
+        return "".join(p.read_text() for p in sorted(tmp_path.glob("*.log")))
+
+    def wait(cond, what, timeout=240):
+        t0 = time.time()
+        while not cond():
+            assert time.time() - t0 < timeout, f"timed out waiting for {what}\n{logs()[-4000:]}"
+            time.sleep(0.05)
+
+    try:
+        wait(
+            lambda: m.counts()["released"] >= 4 and any(j.host == "node-b" for j in m.jobs("written")),
+            "a release, and node-b holding written shards",
+        )
+        for name in ("extract-node-b", "train-node-b"):
+            os.killpg(procs[name].pid, signal.SIGKILL)
+        lost = {j.id for j in m.jobs("written") if j.host == "node-b"}
+        wait(lambda: procs["train-node-a"].poll() is not None, "node-a's trainer to lose its peer", 180)
+        assert procs["train-node-a"].returncode != 0
+        wait(lambda: not [p for p in m.live_procs() if p.host == "node-b"], "node-b's registrations to lapse")
+        if procs["extract-node-a"].poll() is not None:  # it may have left with the trainer gone: rerun it too
+            procs["extract-node-a"] = spawn(
+                ["-m", "dflash_staged", *extract_args(url, stores["node-a"])],
+                tmp_path / "extract-node-a.log",
+                envs["node-a"],
+            )
+        procs["train-node-a"] = torchrun(
+            0,
+            free_port(),
+            url,
+            stores["node-a"],
+            run_dir,
+            tmp_path / "train-node-a.log",
+            envs["node-a"],
+            nnodes=1,
+        )
+        live = [procs["extract-node-a"], procs["train-node-a"]]
+        wait(lambda: all(p.poll() is not None for p in live), "the rerun to finish", 300)
+        assert all(p.returncode == 0 for p in live), logs()[-4000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = logs()
+    assert "go back to extract" in text, text[-3000:]
+    assert "another trainer rank is gone" in text, text[-3000:]  # one line, the lost peer named
+    steps = [tuple(map(int, x)) for x in re.findall(r"step (\d+)/(\d+)", text)]
+    assert steps and all(n <= total for n, total in steps), steps  # the schedule refitted to one node
+    assert_exactly_once(url, run_dir)
+    requeued = {e["job"] for e in m.events("requeue") if "lost node" in (e["detail"] or "")}
+    assert lost <= requeued, (lost, requeued)
+    assert all(m.job(j).host == "node-a" for j in requeued)  # re-extracted by the node that remained
+    stale = scan_store(stores["node-b"])["published"]
+    print(
+        f"\nlost node-b with {len(lost)} written job(s); {len(requeued)} re-extracted; "
+        f"{len(stale)} stale shards"
+    )
+    assert stale, "node-b's disk should still hold the shards it lost"
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash_staged", *map(str, extract_args(url, stores["node-b"]))],
+        cwd=ROOT, env=envs["node-b"], capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    m.close()
+    for node in NODES:
+        assert scan_store(stores[node])["published"] == [], node
+    assert_all_released_and_clean(url, stores["node-a"], run_dir)
