@@ -146,3 +146,58 @@ def test_dflash_node_refuses_a_multinode_run_it_cannot_start(tmp_path):
     assert r.exit_code != 0 and "give --master-addr" in r.output
     r = CliRunner().invoke(main, [*args, "--master-addr", "n0"])
     assert r.exit_code != 0 and "--manifest postgresql://" in r.output
+
+
+def test_a_node_replays_its_own_kept_shards(at, as_node):  # noqa: F811
+    from dflash_staged.train.sources import ReplaySource
+
+    m = make(at, n_batches=6)
+    held = {}
+    for node in ("node-a", "node-b"):
+        as_node(node)
+        held[node] = [claim(m, node, window=10).job for _ in range(3)]
+        for j in held[node]:
+            assert m.publish(j, 100, "c")
+    every = [j.id for js in held.values() for j in js]
+    m.consume(every, 1, dict.fromkeys(every, 0))
+    m.release(every, keep=True)
+    mine = ReplaySource(m, store=None, node="node-b")
+    assert sorted(j.id for j in mine.sequence) == sorted(j.id for j in held["node-b"])
+    assert len(ReplaySource(m, store=None).sequence) == 6  # a store gathered from every node: all of them
+    with pytest.raises(Exception, match="no kept shards to replay on node node-c"):
+        ReplaySource(m, store=None, node="node-c")
+
+
+def test_a_node_window_too_small_for_its_ranks_is_refused_up_front(tmp_path):
+    """Per node, the window must hold train.buffer_capacity (4 in the tiny config) x the node's ranks:
+    extract refuses --window 3 for one rank before any claim, and so does a trainer told so."""
+    from click.testing import CliRunner
+
+    from dflash_staged.cli import main
+    from dflash_staged.manifest import Manifest
+
+    from helpers import plan
+
+    url = plan(tmp_path, n=8)
+    store = tmp_path / "store"
+    r = CliRunner().invoke(
+        main, ["extract", "--manifest", str(url), "--store", str(store), "--window", "3", "--node-local"]
+    )
+    assert r.exit_code != 0 and "--window 3 < train.buffer_capacity 4 x 1" in r.output, r.output
+    with Manifest.open(url) as m:
+        c = m.counts()
+        assert c["pending"] == sum(c.values()) and m.meta["store_layout"] == "node"
+        m.set_meta("extract_window", {"shards": 3, "bytes": 0, "workers": 1, "shard_bytes_max": 0})
+    args = [
+        "train",
+        "--manifest",
+        str(url),
+        "--store",
+        str(store),
+        "--out",
+        str(tmp_path / "run"),
+        "--node-local",
+    ]
+    r = CliRunner().invoke(main, [*args, "--device", "cpu"])
+    assert r.exit_code != 0 and "--window 3 < train.buffer_capacity 4 x 1" in r.output, r.output
+    assert not store.exists()  # refused before anything was written

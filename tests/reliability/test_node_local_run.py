@@ -21,6 +21,8 @@ from dflash_staged.manifest.status import format_nodes
 from helpers import ROOT, plan, start
 from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
 
+# per node: the tiny config's buffer_capacity 4 x 1 rank fits; one window for both nodes' 2 ranks would
+# need 8 and be refused, so these runs also show that the window rule counts a node's own ranks
 WINDOW = 6
 EXTRA = "[data]\ntoken_budget = 512\n[extract]\nlease_s = 2.0\n"
 HIDDEN = 128  # the tiny target's
