@@ -16,7 +16,8 @@ whose disk holds its shard. With node-local stores:
   node deletes its node's covered shards and marks them released (:class:`~dflash_staged.train.ledger.
   Ledger`), and checks the window rule against its node's ranks;
 - **a lost node**: its claims return to pending when their leases expire; when the trainer job starts
-  again without it, rank 0 returns its written jobs to pending and marks its consumed (checkpoint-
+  again without it (from the checkpoint copy every node keeps: :func:`dflash_staged.train.trainer.
+  own_checkpoints`), rank 0 returns its written jobs to pending and marks its consumed (checkpoint-
   covered) jobs released (:meth:`~dflash_staged.manifest.base.Manifest.requeue_absent_nodes`);
 - **a node that returns** removes the shards on its disk that its node no longer holds (another node's
   job now, or released): :func:`unwanted_here`, run by its extract and its trainer at start.

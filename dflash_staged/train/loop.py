@@ -94,6 +94,7 @@ class TimeBudget:
         per = sorted(self.recent)[len(self.recent) // 2]  # the median of the last 20 steps
         left = self.seconds - (time.monotonic() - self.t0)
         self.t.total_steps = max(self.t.step + 1, self.t.step + int(left / max(per, 1e-6)))
+        self.t.progress.total = self.t.total_steps  # the progress line shows the refitted length
 
     def over(self) -> bool:
         """Whether the budget is spent (collective: rank 0's clock decides for every rank)."""

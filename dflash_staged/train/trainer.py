@@ -17,6 +17,7 @@ import base64
 import functools
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class Trainer:
     total_steps: int
     step: int = 0
     states: dict[str, ckpt.Stateful] = field(default_factory=dict)  # checkpointed components, restore order
+    ckpt_copy: bool = False  # this rank writes the checkpoints into its --out (own_checkpoints)
 
     @property
     def device(self) -> torch.device:
@@ -98,9 +100,9 @@ class Trainer:
         # a trainer another one replaced (cut off past its lease) writes no checkpoint, on no rank
         raise_together(self, (lambda: None) if self.opts.replay else self.m.check_fence)
         state = ckpt.TrainerState.collect(self.states, self.dist.gather_obj)
-        if self.dist.rank == 0:
-            if not self.opts.replay:
-                self._record_run()  # durable before the checkpoint it names exists
+        if self.dist.rank == 0 and not self.opts.replay:
+            self._record_run()  # durable before the checkpoint it names exists
+        if self.ckpt_copy:  # rank 0; with node-local stores each node's first rank too (its own --out)
             ckpt.save_checkpoint(
                 self.opts.out,
                 self.step,
@@ -212,10 +214,6 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     m = Manifest.open(opts.manifest, readonly=opts.replay)
     cfg = inputs.run_config(m, opts)
     opts.out.mkdir(parents=True, exist_ok=True)
-    if (
-        dist.rank == 0
-    ):  # the one writer of checkpoints (on a shared filesystem, ranks of other nodes see them too)
-        ckpt.cleanup_tmp(opts.out)
     nodes = dist.gather_obj(HOST)  # each rank's node
     # a replay writes nothing: with --node-local it replays this node's kept shards, else every kept shard
     if opts.replay:
@@ -224,6 +222,9 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         layout = settle_layout(m, opts.node_local, "dflash train")
     node = node_of(layout)
     leader = dist.rank == (nodes.index(HOST) if node else 0)  # deletes (and cleans) its node's shards
+    copy = own_checkpoints(dist, opts.out, node is not None and leader)
+    if copy:
+        ckpt.cleanup_tmp(opts.out)
     if not opts.replay:
         m.register(
             "train", group_id=dist.group_id, rank=dist.rank, exclusive=True, info={"out": str(opts.out)}
@@ -269,6 +270,7 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         draw_gen=torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17 + dist.rank),
         total_steps=opts.total_steps or natural,
     )
+    t.ckpt_copy = copy
     t.states = {
         "trainer": t,
         "model": t.model,
@@ -282,6 +284,23 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     resume(t)
     t.progress.total = t.total_steps
     return t
+
+
+def own_checkpoints(dist: Dist, out: Path, node_leader: bool) -> bool:
+    """Whether this rank writes each checkpoint into its ``out``: rank 0 always; with node-local stores
+    also the first rank of every other node whose ``out`` is not rank 0's (a directory on its own disk,
+    seen by a marker file rank 0 creates), so that every node holds every checkpoint and a trainer
+    rerun without any one node (rank 0's included) resumes from its own disk (collective)."""
+    token = dist.gather_obj(uuid.uuid4().hex)[0]
+    marker = Path(out) / f".rank0-{token}"
+    if dist.rank == 0:
+        marker.touch()
+    dist.barrier()
+    sees = marker.exists()
+    dist.barrier()
+    if dist.rank == 0:
+        marker.unlink(missing_ok=True)
+    return dist.rank == 0 or (node_leader and not sees)
 
 
 def refuse_another_run(m: Manifest, out) -> None:
@@ -309,7 +328,8 @@ def resume(t: Trainer) -> None:
         raise DflashError(
             f"the ranks see different newest checkpoints in {opts.out} ("
             + ", ".join(f"rank {r}: {s or 'none'}" for r, s in enumerate(seen))
-            + "): --out must be one directory every rank reads (a shared filesystem), or copy the newest "
+            + "): --out must be one directory every rank reads (a shared filesystem), or with --node-local "
+            "stores each node's own copy (a node away for a checkpoint misses it): copy the newest "
             "checkpoint to the same path on every node before rerunning (docs/multinode.md)"
         )
     if latest is None and not opts.replay:

@@ -17,6 +17,7 @@ import pytest
 
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.status import format_nodes
+from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 
 from helpers import ROOT, plan, start
 from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
@@ -77,12 +78,13 @@ def test_two_nodes_each_train_on_their_own_store(tmp_path, pg):
 
     url = plan(tmp_path, n=32, epochs=2, extra=EXTRA, manifest=pg.url())
     stores = {n: tmp_path / f"store-{n}" for n in NODES}
-    run_dir, port = tmp_path / "run", free_port()
+    runs = {n: tmp_path / f"run-{n}" for n in NODES}  # no shared directory at all: --out on each node too
+    run_dir, port = runs["node-a"], free_port()
     procs = []
     for i, node in enumerate(NODES):
         env = node_env(node, delay_s=0.05 if i == 0 else 0.15)  # uneven nodes: node-a extracts 3x faster
         procs.append(start(extract_args(url, stores[node]), tmp_path / f"extract-{node}.log", env))
-        procs.append(torchrun(i, port, url, stores[node], run_dir, tmp_path / f"train-{node}.log", env))
+        procs.append(torchrun(i, port, url, stores[node], runs[node], tmp_path / f"train-{node}.log", env))
     m = Manifest.open(url, readonly=True)
     peak = dict.fromkeys(NODES, 0)
     try:
@@ -99,6 +101,9 @@ def test_two_nodes_each_train_on_their_own_store(tmp_path, pg):
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob("*.log")))
     assert all(p.returncode == 0 for p in procs) and "Traceback" not in logs, logs[-4000:]
     state = assert_exactly_once(url, run_dir)
+    copy = latest_checkpoint(runs["node-b"])  # node-b's first rank keeps its own copy of every checkpoint
+    assert copy is not None and copy.name == latest_checkpoint(run_dir).name
+    assert load_checkpoint(copy).consumed() == state.consumed()
     writer = {j.id: j.host for j in m.jobs()}
     assert set(writer.values()) == set(NODES)
     trained_on = {c.job: NODES[c.rank] for items in state.consumed().values() for c in items}
@@ -140,16 +145,29 @@ def test_a_node_back_with_stale_shards_removes_them(tmp_path, pg):
     assert scan_store(a)["published"] == published
 
 
+def trained_once(url, run_dir) -> dict:
+    """Every job of every epoch in exactly one step of the newest checkpoint's record (a trainer rerun on
+    another node keeps no metrics.jsonl of the steps before: the record is the proof)."""
+    with Manifest.open(url, readonly=True) as m:
+        every = sorted(j.id for j in m.jobs())
+    state = load_checkpoint(latest_checkpoint(run_dir))
+    ids = [c.job for items in state.consumed().values() for c in items]
+    assert sorted(ids) == every, (sorted(set(every) - set(ids)), len(ids), len(set(ids)))
+    return state
+
+
 def test_a_node_lost_whole_and_the_job_rerun_without_it(tmp_path, pg):
-    """node-b (its extract, its torchrun and rank) is killed with SIGKILL once a checkpoint released shards
-    and it holds written ones; node-a's rank loses its peer at the next collective and exits; node-a's
-    trainer is rerun alone (--nnodes 1, the documented rerun): node-b's written jobs go back to extract,
-    node-a re-extracts them, every job is trained exactly once. node-b then comes back and cleans its disk."""
+    """node-a, rank 0's node (its extract, its torchrun and rank, and the rendezvous), is killed with
+    SIGKILL once a checkpoint released shards and it holds written ones. node-b's rank loses its peer at
+    the next collective and exits; node-b's trainer is rerun alone (--nnodes 1, the documented rerun)
+    from its own copy of the checkpoints: node-a's written jobs go back to extract, node-b re-extracts
+    them, every job is trained exactly once. node-a then comes back and cleans its disk."""
     from pgcluster import free_port
 
     url = plan(tmp_path, n=48, epochs=2, extra=EXTRA, manifest=pg.url())
     stores = {n: tmp_path / f"store-{n}" for n in NODES}
-    run_dir, port = tmp_path / "run", free_port()
+    runs = {n: tmp_path / f"run-{n}" for n in NODES}
+    port = free_port()
     envs = {n: node_env(n, delay_s=0.15) for n in NODES}
     procs = {}
     for i, node in enumerate(NODES):
@@ -158,9 +176,8 @@ def test_a_node_lost_whole_and_the_job_rerun_without_it(tmp_path, pg):
             tmp_path / f"extract-{node}.log",
             envs[node],
         )
-        procs[f"train-{node}"] = torchrun(
-            i, port, url, stores[node], run_dir, tmp_path / f"train-{node}.log", envs[node]
-        )
+        log = tmp_path / f"train-{node}.log"
+        procs[f"train-{node}"] = torchrun(i, port, url, stores[node], runs[node], log, envs[node])
     m = Manifest.open(url, readonly=True)
 
     def logs() -> str:
@@ -174,32 +191,26 @@ def test_a_node_lost_whole_and_the_job_rerun_without_it(tmp_path, pg):
 
     try:
         wait(
-            lambda: m.counts()["released"] >= 4 and any(j.host == "node-b" for j in m.jobs("written")),
-            "a release, and node-b holding written shards",
+            lambda: m.counts()["released"] >= 4 and any(j.host == "node-a" for j in m.jobs("written")),
+            "a release, and node-a holding written shards",
         )
-        for name in ("extract-node-b", "train-node-b"):
+        for name in ("extract-node-a", "train-node-a"):
             os.killpg(procs[name].pid, signal.SIGKILL)
-        lost = {j.id for j in m.jobs("written") if j.host == "node-b"}
-        wait(lambda: procs["train-node-a"].poll() is not None, "node-a's trainer to lose its peer", 180)
-        assert procs["train-node-a"].returncode != 0
-        wait(lambda: not [p for p in m.live_procs() if p.host == "node-b"], "node-b's registrations to lapse")
-        if procs["extract-node-a"].poll() is not None:  # it may have left with the trainer gone: rerun it too
-            procs["extract-node-a"] = spawn(
-                ["-m", "dflash_staged", *extract_args(url, stores["node-a"])],
-                tmp_path / "extract-node-a.log",
-                envs["node-a"],
+        lost = {j.id for j in m.jobs("written") if j.host == "node-a"}
+        wait(lambda: procs["train-node-b"].poll() is not None, "node-b's trainer to lose its peer", 180)
+        assert procs["train-node-b"].returncode != 0
+        wait(lambda: not [p for p in m.live_procs() if p.host == "node-a"], "node-a's registrations to lapse")
+        if procs["extract-node-b"].poll() is not None:  # it may have left with the trainer gone: rerun it too
+            procs["extract-node-b"] = spawn(
+                ["-m", "dflash_staged", *extract_args(url, stores["node-b"])],
+                tmp_path / "extract-node-b.log",
+                envs["node-b"],
             )
-        procs["train-node-a"] = torchrun(
-            0,
-            free_port(),
-            url,
-            stores["node-a"],
-            run_dir,
-            tmp_path / "train-node-a.log",
-            envs["node-a"],
-            nnodes=1,
+        log = tmp_path / "train-node-b.log"
+        procs["train-node-b"] = torchrun(
+            0, free_port(), url, stores["node-b"], runs["node-b"], log, envs["node-b"], nnodes=1
         )
-        live = [procs["extract-node-a"], procs["train-node-a"]]
+        live = [procs["extract-node-b"], procs["train-node-b"]]
         wait(lambda: all(p.poll() is not None for p in live), "the rerun to finish", 300)
         assert all(p.returncode == 0 for p in live), logs()[-4000:]
     finally:
@@ -211,22 +222,22 @@ def test_a_node_lost_whole_and_the_job_rerun_without_it(tmp_path, pg):
     assert "another trainer rank is gone" in text, text[-3000:]  # one line, the lost peer named
     steps = [tuple(map(int, x)) for x in re.findall(r"step (\d+)/(\d+)", text)]
     assert steps and all(n <= total for n, total in steps), steps  # the schedule refitted to one node
-    assert_exactly_once(url, run_dir)
+    trained_once(url, runs["node-b"])
     requeued = {e["job"] for e in m.events("requeue") if "lost node" in (e["detail"] or "")}
     assert lost <= requeued, (lost, requeued)
-    assert all(m.job(j).host == "node-a" for j in requeued)  # re-extracted by the node that remained
-    stale = scan_store(stores["node-b"])["published"]
+    assert all(m.job(j).host == "node-b" for j in requeued)  # re-extracted by the node that remained
+    stale = scan_store(stores["node-a"])["published"]
     print(
-        f"\nlost node-b with {len(lost)} written job(s); {len(requeued)} re-extracted; "
+        f"\nlost node-a (rank 0's) with {len(lost)} written job(s); {len(requeued)} re-extracted; "
         f"{len(stale)} stale shards"
     )
-    assert stale, "node-b's disk should still hold the shards it lost"
+    assert stale, "node-a's disk should still hold the shards it lost"
     r = subprocess.run(
-        [sys.executable, "-m", "dflash_staged", *map(str, extract_args(url, stores["node-b"]))],
-        cwd=ROOT, env=envs["node-b"], capture_output=True, text=True, timeout=240,
+        [sys.executable, "-m", "dflash_staged", *map(str, extract_args(url, stores["node-a"]))],
+        cwd=ROOT, env=envs["node-a"], capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     m.close()
     for node in NODES:
         assert scan_store(stores[node])["published"] == [], node
-    assert_all_released_and_clean(url, stores["node-a"], run_dir)
+    assert_all_released_and_clean(url, stores["node-b"], runs["node-b"])
