@@ -30,8 +30,7 @@ import functools
 from dflash_staged.manifest.states import ManifestError
 from dflash_staged.procs import HOST
 
-KEY = "store_layout"
-LAYOUTS = ("shared", "node")
+KEY = "store_layout"  # its value: "shared" or "node"
 
 
 def settle_layout(m, node_local: bool, who: str) -> str:

@@ -141,6 +141,15 @@ class Ledger:
                 self._release(covered)
                 return
             requeued, released = self.m.requeue_absent_nodes(list(self.nodes))
+            elsewhere = sorted({p.host for p in self.m.live_procs("extract")} - set(self.nodes))
+            if elsewhere:  # a node lost moments ago may still look alive until its registration lapses
+                print(
+                    f"train: warning: extract runs on {', '.join(elsewhere)}, where no rank of this trainer "
+                    "runs: with node-local stores its shards are trained by no one; run trainer ranks there, "
+                    "or stop it",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if requeued or released:
                 print(
                     f"train: {requeued} written job(s) of nodes outside this trainer job "
