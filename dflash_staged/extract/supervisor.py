@@ -33,7 +33,6 @@ block on it forever.
 from __future__ import annotations
 
 import contextlib
-import functools
 import multiprocessing as mp
 import os
 import queue
@@ -53,7 +52,7 @@ from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, EXIT_RESTA
 from dflash_staged.extract.worker import POLL_S, TRAINER_COMING_S, TRAINER_GRACE_S, should_stay, worker_main
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.balance import PUBLISH_S, SIDES, Tally, format_balance, shares
-from dflash_staged.manifest.layout import node_of, settle_layout
+from dflash_staged.manifest.layout import node_of, settle_layout, unwanted_on
 from dflash_staged.manifest.window import WindowSettings
 from dflash_staged.procs import my_identity
 from dflash_staged.store import ShardStore
@@ -393,6 +392,4 @@ def _remove_dead_leftovers(opts: ExtractOptions, m: Manifest) -> None:
     their jobs were released or sent back."""
     if ShardStore.exists(opts.store):
         store = ShardStore.open(opts.store, expect={"manifest_id": m.manifest_id})
-        store.cleanup_temp(
-            claimed=m.holds_claim, unwanted=functools.partial(m.shard_unwanted, node=opts.node)
-        )
+        store.cleanup_temp(claimed=m.holds_claim, unwanted=unwanted_on(m, opts.node))

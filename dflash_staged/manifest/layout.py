@@ -20,7 +20,7 @@ whose disk holds its shard. With node-local stores:
   own_checkpoints`), rank 0 returns its written jobs to pending and marks its consumed (checkpoint-
   covered) jobs released (:meth:`~dflash_staged.manifest.base.Manifest.requeue_absent_nodes`);
 - **a node that returns** removes the shards on its disk that its node no longer holds (another node's
-  job now, or released): :func:`unwanted_here`, run by its extract and its trainer at start.
+  job now, or released): :func:`unwanted_on`, run by its extract and its trainer at start.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def node_of(layout: str) -> str | None:
     return HOST if layout == "node" else None
 
 
-def unwanted_here(m, layout: str):
-    """The store cleanup's test of a final shard on this process's disk (``job id -> bool``)."""
-    return functools.partial(m.shard_unwanted, node=node_of(layout))
+def unwanted_on(m, node: str | None):
+    """The store cleanup's test of a final shard on ``node``'s disk (``job id -> bool``; None: one
+    shared store)."""
+    return functools.partial(m.shard_unwanted, node=node)

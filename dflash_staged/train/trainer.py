@@ -14,7 +14,6 @@ registers them, in restore order, in ``Trainer.states``: the one place to add on
 from __future__ import annotations
 
 import base64
-import functools
 import sys
 import time
 import uuid
@@ -26,7 +25,7 @@ import torch
 from dflash_staged.config import Config
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
-from dflash_staged.manifest.layout import node_of, settle_layout, unwanted_here
+from dflash_staged.manifest.layout import node_of, settle_layout, unwanted_on
 from dflash_staged.procs import HOST
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
@@ -175,7 +174,7 @@ class Trainer:
         if not self.opts.replay:
             try:
                 if self.ledger.deletes:  # leftovers of writers that died after the last extract exited
-                    unwanted = functools.partial(self.m.shard_unwanted, node=self.ledger.node)
+                    unwanted = unwanted_on(self.m, self.ledger.node)
                     self.store.cleanup_temp(claimed=self.m.holds_claim, unwanted=unwanted)
                 self.m.unregister_me("train")
             except DflashError as e:  # the manifest's server is gone: its lease lets the registration lapse
@@ -233,7 +232,7 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     store = inputs.wait_for_store(opts, m)
     if not opts.replay and leader:
         # half-deleted shards of a killed trainer, half-written ones of dead workers, stale ones
-        store.cleanup_temp(claimed=m.holds_claim, unwanted=unwanted_here(m, layout))
+        store.cleanup_temp(claimed=m.holds_claim, unwanted=unwanted_on(m, node))
     norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
     drafter = build_drafter(cfg, store, device, opts.init_from)
     model = DrafterModel(drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device))
