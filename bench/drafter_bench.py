@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_staged.model import block_attention  # noqa: E402
-from dflash_staged.model.block_attention import SdpaBlocks  # noqa: E402
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig  # noqa: E402
+from dflash_staged.model.drafters import attention as block_attention  # noqa: E402
+from dflash_staged.model.drafters.attention import SdpaBlocks  # noqa: E402
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig  # noqa: E402
 from dflash_staged.train.objective import (  # noqa: E402
     block_labels,
     decay_weights,
@@ -152,7 +152,7 @@ def variant(name: str):
 def attention_of(name: str, m, made: list):
     def build(pk, kinds):
         if name == "flex":
-            from dflash_staged.model.flex_blocks import FlexBlocks
+            from dflash_staged.model.drafters.flex import FlexBlocks
 
             blocks = FlexBlocks(pk, kinds)
         else:

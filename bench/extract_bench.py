@@ -9,7 +9,8 @@ activation
 bytes each path returns. Runs on CPU with models built in code (random weights):
 
 * ``dense-12x512``: a 12-layer Qwen3, hidden 512, vocab 16384;
-* ``tiny-qwen3_5``: the tiny hybrid Qwen3.5 from ``dflash_staged.model.tiny`` (PyTorch reference kernels).
+* ``tiny-qwen3_5``: the tiny hybrid Qwen3.5 from ``dflash_staged.model.target.tiny`` (PyTorch reference
+  kernels).
 
 ``--tp`` adds the tensor-parallel plumbing figure: real tokens/s of ``dflash extract --tp 2 --devices
 cpu,cpu`` (one worker, two processes under gloo) against ``dflash extract --devices cpu`` (one process),
@@ -65,7 +66,7 @@ def dense_model(seed: int = 0):
 
 
 def tiny_hybrid(seed: int = 0):
-    from dflash_staged.model.tiny import build_tiny_model
+    from dflash_staged.model.target.tiny import build_tiny_model
 
     return build_tiny_model("qwen3_5", seed=seed)
 
@@ -181,7 +182,7 @@ def bench_tp(repeats: int, n_samples: int = 96) -> dict:
     """TP=2 against TP=1 extract tokens/s on CPU, on the same plan (see the module docstring)."""
     import numpy as np
 
-    from dflash_staged.model.tiny import build_tiny_tokenizer
+    from dflash_staged.model.target.tiny import build_tiny_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="dflash-tp-bench-"))
     try:

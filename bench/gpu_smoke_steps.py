@@ -320,8 +320,8 @@ def hybrid_verdict(dev: str, installed: dict[str, bool], refusal: str | None) ->
 
 
 def step_hybrid_extract(work: Path, dev: str, seconds: float) -> dict:
-    from dflash_staged.model.preflight import KernelPreflightError, preflight_kernels
-    from dflash_staged.model.tiny import tiny_config
+    from dflash_staged.model.target.preflight import KernelPreflightError, preflight_kernels
+    from dflash_staged.model.target.tiny import tiny_config
 
     res: dict = {"kernels_installed": kernels_installed()}
     refusal = None

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_staged.config import TrainConfig  # noqa: E402
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig  # noqa: E402
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig  # noqa: E402
 from dflash_staged.train.distributed import Dist  # noqa: E402
 from dflash_staged.train.loop import forward_backward, microbatches  # noqa: E402
 from dflash_staged.train.objective import anchor_counts  # noqa: E402
@@ -110,7 +110,7 @@ class MaskClock:
     """Seconds spent building flex block masks (``FlexBlocks.__init__``, synchronised on CUDA)."""
 
     def __init__(self, dev: torch.device):
-        from dflash_staged.model import flex_blocks
+        from dflash_staged.model.drafters import flex as flex_blocks
 
         self.dev, self.seconds, real = dev, 0.0, flex_blocks.FlexBlocks.__init__
 
@@ -138,7 +138,7 @@ def run(
     uneven: bool = False,
     loss: dict | None = None,
 ) -> dict:
-    from dflash_staged.model.target_weights import FinalNorm
+    from dflash_staged.model.target.weights import FinalNorm
 
     dev = torch.device(device)
     shape = dict(SMALL if small else RECIPE, **({"block": 8} if arch == "dflash2" else {}))

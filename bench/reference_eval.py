@@ -33,9 +33,9 @@ from dflash_staged.config import target_from_spec  # noqa: E402
 from dflash_staged.evaluate.prompts import chat_options, load_prompts  # noqa: E402
 from dflash_staged.evaluate.sampling import Sampler, SamplingSettings  # noqa: E402
 from dflash_staged.evaluate.speculative import DrafterProposer, speculative_generate  # noqa: E402
-from dflash_staged.model.dims import target_dims  # noqa: E402
+from dflash_staged.model.drafters.weights import load_drafter, read_drafter_config  # noqa: E402
 from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids  # noqa: E402
-from dflash_staged.model.weights import load_drafter, read_drafter_config  # noqa: E402
+from dflash_staged.model.target.dims import target_dims  # noqa: E402
 from dflash_staged.train.checkpoint import resolve_checkpoint  # noqa: E402
 
 

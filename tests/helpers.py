@@ -216,7 +216,7 @@ def make_drafter(
 ):
     """A float32 drafter with random embedding, head and (non-trivial) norms, reproducible from ``seed``
     (``device="meta"``: shapes only); ``dcfg_fields`` set other config fields (``architecture``...)."""
-    from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+    from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
 
     dcfg = DraftModelConfig(
         hidden_size=hidden,

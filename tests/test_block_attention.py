@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dflash_staged.errors import DflashError
-from dflash_staged.model import flex_blocks
-from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visible, context_visible
-from dflash_staged.model.drafter import DFlashDrafter
-from dflash_staged.model.flex_blocks import FlexBlocks, bucket, resolve_attention
+from dflash_staged.model.drafters import flex as flex_blocks
+from dflash_staged.model.drafters.attention import Packing, SdpaBlocks, block_visible, context_visible
+from dflash_staged.model.drafters.backbone import DFlashDrafter
+from dflash_staged.model.drafters.flex import FlexBlocks, bucket, resolve_attention
 from dflash_staged.train.objective import dflash_loss
 
 from helpers import make_drafter, packed_batch

@@ -7,7 +7,7 @@ import pytest
 
 from dflash_staged.config import ConfigError, load_config
 from dflash_staged.manifest import Manifest
-from dflash_staged.model.tiny import build_tiny_tokenizer
+from dflash_staged.model.target.tiny import build_tiny_tokenizer
 
 from helpers import cli, write_config
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dflash_staged.model.tiny import build_tiny_tokenizer
+from dflash_staged.model.target.tiny import build_tiny_tokenizer
 from dflash_staged.plan import dataset
 from dflash_staged.plan.dataset import DatasetError, load_dataset, tokenize_messages
 

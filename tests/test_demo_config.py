@@ -12,7 +12,7 @@ from helpers import demo_prepare
 
 demo = demo_prepare()
 from dflash_staged.config import dflash_target_layers, load_config  # noqa: E402 - after demo_prepare
-from dflash_staged.model.config_json import DraftModelConfig  # noqa: E402 - after demo_prepare
+from dflash_staged.model.drafters.config import DraftModelConfig  # noqa: E402 - after demo_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2-demo.toml"
@@ -43,8 +43,8 @@ def test_demo_mask_token_is_valid_and_absent_from_the_data():
     hf = ROOT / demo.DEFAULT_CACHE / "hf"
     if not demo.is_converted(hf):
         pytest.skip("the demo target is not prepared (python demo/prepare.py prepare)")
+    from dflash_staged.model.drafters.weights import check_mask_absent, validate_mask_token
     from dflash_staged.model.target import load_tokenizer
-    from dflash_staged.model.weights import check_mask_absent, validate_mask_token
 
     cfg = load_config(CONFIG)
     cfg.target.model = str(hf)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_staged.model.config_json import DraftModelConfig
-from dflash_staged.model.dflash2 import GroupedConv
-from dflash_staged.model.weights import load_drafter, save_drafter
+from dflash_staged.model.drafters.config import DraftModelConfig
+from dflash_staged.model.drafters.dflash2.modules import GroupedConv
+from dflash_staged.model.drafters.weights import load_drafter, save_drafter
 from dflash_staged.train.objective import dflash_loss, dpace_weights
 from dflash_staged.train.objective.head import head_rows, top_values
 from dflash_staged.train.objective.selector import alpha_at

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_staged.errors import DflashError
-from dflash_staged.model import block_attention
-from dflash_staged.model.drafter import DFlashDrafter
+from dflash_staged.model.drafters import attention as block_attention
+from dflash_staged.model.drafters.backbone import DFlashDrafter
 from dflash_staged.train.objective import (
     block_labels,
     decay_weights,

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from dflash_staged.config import TargetConfig, load_config
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
-from dflash_staged.model.target_weights import load_embed_and_head
-from dflash_staged.model.tiny import MASK
-from dflash_staged.model.weights import save_drafter
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafters.weights import save_drafter
+from dflash_staged.model.target.tiny import MASK
+from dflash_staged.model.target.weights import load_embed_and_head
 
 REF = os.environ.get("DFLASH_REFERENCE_MODEL_PY", "")
 needs_ref = pytest.mark.skipif(
@@ -65,7 +65,7 @@ def test_reference_model_loads_our_checkpoint_and_agrees(tmp_path):
 def test_reference_model_loads_a_sliding_window_checkpoint(tmp_path):
     """No missing or unexpected keys, and the reference's sliding layers get the window. (Their outputs
     are not compared: with SDPA the reference ignores the window and keeps the block bidirectional,
-    see dflash_staged/model/block_attention.py for which engines agree with ours.)"""
+    see dflash_staged/model/drafters/attention.py for which engines agree with ours.)"""
     ref_mod = reference_module()
     cfg = load_config("configs/tiny.toml")
     cfg.drafter.dtype = "float32"
@@ -88,9 +88,9 @@ def test_reference_model_loads_a_sliding_window_checkpoint(tmp_path):
 def _reference_pair(tmp_path, ref_mod, *, is_causal, sliding=False, architecture="dflash"):
     """The tiny target (its HF model for the reference harness, our Target for ours) and one drafter
     checkpoint (started from the target's top layers, so drafts are often accepted), loaded by both."""
-    from dflash_staged.model.init import init_from_target
+    from dflash_staged.model.drafters.init import init_from_target
+    from dflash_staged.model.drafters.weights import load_drafter
     from dflash_staged.model.target import load_target
-    from dflash_staged.model.weights import load_drafter
 
     tcfg = TargetConfig(model="tiny:qwen3")
     target = load_target(tcfg, "cpu", layer_ids=[1, 3])

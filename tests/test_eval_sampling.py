@@ -22,7 +22,8 @@ from dflash_staged.evaluate.sampling import (
     verify_law,
 )
 from dflash_staged.evaluate.speculative import DrafterProposer, greedy_generate, speculative_generate
-from dflash_staged.model.weights import save_drafter
+from dflash_staged.model.drafters.dflash2 import FAMILY as dflash2_family
+from dflash_staged.model.drafters.weights import save_drafter
 
 F64 = torch.float64
 
@@ -251,13 +252,14 @@ class DFlash2Like(torch.nn.Module):
 
     def __init__(self, inner, selector):
         super().__init__()
-        self.inner, self.selector = inner, selector
+        self.inner, self.selector, self.candidate_selector = inner, selector, selector
         self.block_size, self.fc = inner.block_size, inner.fc
+        self.family, self.first_row, self.proposals = dflash2_family, 1, inner.block_size - 1
 
     def fuse_context(self, hidden):
         return self.inner.fuse_context(hidden)
 
-    def draft_block(self, *args, return_hidden=False, **kw):
+    def draft_block(self, *args, return_hidden=False, state=None, **kw):
         logits = self.inner.draft_block(*args, **kw)
         return (logits, logits.new_zeros(logits.shape[0], 3)) if return_hidden else logits
 

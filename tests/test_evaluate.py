@@ -16,10 +16,10 @@ from dflash_staged.evaluate.speculative import (
     greedy_generate,
     speculative_generate,
 )
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafters.weights import save_drafter
 from dflash_staged.model.target import load_target
-from dflash_staged.model.tiny import MASK
-from dflash_staged.model.weights import save_drafter
+from dflash_staged.model.target.tiny import MASK
 
 B = 8
 
@@ -197,7 +197,7 @@ def test_hybrid_target_is_lossless():
 
 # -- prompts and the command ---------------------------------------------------------------------
 def test_load_prompts_messages_and_ids(tmp_path):
-    from dflash_staged.model.tiny import build_tiny_tokenizer
+    from dflash_staged.model.target.tiny import build_tiny_tokenizer
 
     f = tmp_path / "p.jsonl"
     msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "the answer"}]
@@ -224,7 +224,7 @@ def test_load_prompts_messages_and_ids(tmp_path):
     ],
 )
 def test_bad_prompt_lines(tmp_path, line, needle):
-    from dflash_staged.model.tiny import build_tiny_tokenizer
+    from dflash_staged.model.target.tiny import build_tiny_tokenizer
 
     f = tmp_path / "bad.jsonl"
     f.write_text(line + "\n")

@@ -81,7 +81,7 @@ def test_the_slow_hybrid_branch_is_skipped_not_passed(tmp_path, monkeypatch):
     """On a GPU without flash-linear-attention extract refuses and runs with --allow-slow-kernels: the
     fast kernels were not checked, so the step says skipped and the run is not ok."""
     gs, smoke = module("gpu_smoke_steps"), module("gpu_smoke")
-    from dflash_staged.model import preflight
+    from dflash_staged.model.target import preflight
 
     def refuse(*a, **k):
         raise preflight.KernelPreflightError("the fast kernels (flash-linear-attention) are not installed")

@@ -7,11 +7,11 @@ import torch
 
 from dflash_staged.config import Config, TargetConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.model.dims import target_dims
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
-from dflash_staged.model.init import init_from_target
-from dflash_staged.model.target_weights import load_embed_and_head, open_target_tensors
-from dflash_staged.model.tiny import MASK
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafters.init import init_from_target
+from dflash_staged.model.target.dims import target_dims
+from dflash_staged.model.target.tiny import MASK
+from dflash_staged.model.target.weights import load_embed_and_head, open_target_tensors
 
 
 def drafter_for(kind: str, layers: int = 2, taps=(1, 3), **drafter_kw) -> tuple[DFlashDrafter, TargetConfig]:

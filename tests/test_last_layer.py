@@ -13,7 +13,7 @@ import torch
 from dflash_staged.config import TargetConfig
 from dflash_staged.manifest import Manifest
 from dflash_staged.model.target import load_target, pad_batch
-from dflash_staged.model.target_weights import load_embed_and_head, load_final_norm
+from dflash_staged.model.target.weights import load_embed_and_head, load_final_norm
 from dflash_staged.store import ShardStore
 
 from helpers import plan, run, run_dflash

@@ -11,6 +11,7 @@ import torch
 
 from dflash_staged.config import TrainConfig
 from dflash_staged.errors import DflashError
+from dflash_staged.model.drafters.dflash2 import selector_row_bytes
 from dflash_staged.train import memory
 from dflash_staged.train.loop import microbatches
 from dflash_staged.train.objective import anchor_counts, dflash_loss, sample_anchors
@@ -130,7 +131,7 @@ def test_the_estimate_per_row_agrees_with_saved_tensors(geometry, arch):
     m = make_drafter(layers, heads, kv, B, 3, 0, 300, hidden, inter, hd, "cpu", **extra)
     est = memory.estimate(m, TrainConfig(), torch.device("cpu"))
     # the drafter's own rows: the selector's and the head's gradient buffer come after forward_train
-    want = est.per_row - (memory.selector_row_bytes(m.dcfg) if arch == "dflash2" else 0) - hidden * 4
+    want = est.per_row - (selector_row_bytes(m.dcfg) if arch == "dflash2" else 0) - hidden * 4
     b = shard([128] * 8, hidden=hidden)
     (n1, r1), (n2, r2) = forward_saved(m, b, 16), forward_saved(m, b, 64)
     measured = (n2 - n1) / (r2 - r1)  # bytes a row, context and fixed terms cancelled

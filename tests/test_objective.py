@@ -3,7 +3,7 @@
 import torch
 
 from dflash_staged.config import TrainConfig
-from dflash_staged.model.drafter import DFlashDrafter
+from dflash_staged.model.drafters.backbone import DFlashDrafter
 from dflash_staged.train.distributed import Dist
 from dflash_staged.train.loop import forward_backward
 from dflash_staged.train.objective import (

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_staged.config import dflash_target_layers, load_config
 from dflash_staged.launch.disk import disk_requirements
-from dflash_staged.model.config_json import DraftModelConfig
+from dflash_staged.model.drafters.config import DraftModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +135,7 @@ def test_recipe_mask_token_against_the_tokenizer(name):
         pytest.skip(f"{cfg.target.model} is not on local disk")
     from transformers import AutoTokenizer
 
-    from dflash_staged.model.weights import validate_mask_token
+    from dflash_staged.model.drafters.weights import validate_mask_token
 
     tok = AutoTokenizer.from_pretrained(local)
     vocab = RECIPES[name][2]
@@ -186,7 +186,7 @@ def test_moe_recipe_taps_and_tp_against_the_public_geometry(name):
     from transformers import Qwen3_5MoeTextConfig
 
     from dflash_staged.errors import DflashError
-    from dflash_staged.model.parallel import check_tp
+    from dflash_staged.model.target.parallel import check_tp
 
     geometry, tp, too_many = PUBLIC_MOE[name]
     text = Qwen3_5MoeTextConfig(vocab_size=248320, **geometry)
@@ -211,7 +211,7 @@ DFLASH2 = {"qwen3-8b-dflash2.toml": "qwen3-8b.toml", "qwen3.5-27b-dflash2.toml":
 def test_dflash2_recipe_has_the_released_architecture_and_fits_an_80gb_gpu(name):
     import torch
 
-    from dflash_staged.model.drafter import DFlashDrafter
+    from dflash_staged.model.drafters.backbone import DFlashDrafter
     from dflash_staged.train.memory import estimate, row_budget
 
     twin = DFLASH2[name]

@@ -8,7 +8,6 @@ import torch
 
 from dflash_staged.config import TargetConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.model import preflight
 from dflash_staged.model.target import (
     KernelPreflightError,
     Target,
@@ -17,11 +16,12 @@ from dflash_staged.model.target import (
     load_tokenizer,
     pack_unpadded,
     pad_batch,
+    preflight,
     preflight_kernels,
     resolve_dtype,
     resolve_layer_ids,
 )
-from dflash_staged.model.tiny import save_tiny_model, tiny_config
+from dflash_staged.model.target.tiny import save_tiny_model, tiny_config
 
 KINDS = ("qwen3", "qwen3_5", "qwen3_next", "qwen3_moe")
 LENGTHS = (37, 5, 64, 20, 1)
@@ -265,7 +265,7 @@ def test_preflight_a_missing_causal_conv1d_is_a_warning_not_a_refusal(monkeypatc
     _fake_fla(monkeypatch)
     _no_kernels(monkeypatch, "causal_conv1d")
     monkeypatch.setattr(preflight, "_smoke", lambda *a: None)
-    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.target.preflight"):
         preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)  # no raise
     (msg,) = _conv_warnings(caplog)
     assert "causal-conv1d (import 'causal_conv1d' failed" in msg and "depthwise conv1d" in msg
@@ -274,7 +274,7 @@ def test_preflight_a_missing_causal_conv1d_is_a_warning_not_a_refusal(monkeypatc
     conv = types.ModuleType("causal_conv1d")
     conv.causal_conv1d_fn = conv.causal_conv1d_update = lambda *a, **k: None
     monkeypatch.setitem(sys.modules, "causal_conv1d", conv)
-    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.target.preflight"):
         preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)  # both present and usable
     assert not caplog.records
 
@@ -283,7 +283,7 @@ def test_preflight_a_missing_causal_conv1d_is_a_warning_not_a_refusal(monkeypatc
             raise RuntimeError("no kernel image is available")
 
     monkeypatch.setattr(preflight, "_smoke", conv_broken)
-    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.target.preflight"):
         preflight_kernels(tiny_config("qwen3_5"), "cuda", allow_slow=False)  # a broken one: a warning too
     assert "kernel failed on cuda: RuntimeError: no kernel image" in _conv_warnings(caplog)[0]
 
@@ -309,7 +309,7 @@ def test_preflight_names_only_the_missing_package(monkeypatch, caplog):
 
 def test_preflight_allow_slow_warns(monkeypatch, caplog):
     _no_kernels(monkeypatch, "fla", "causal_conv1d")
-    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.target.preflight"):
         preflight_kernels(tiny_config("qwen3_next"), "cuda:0", allow_slow=True)
     assert any(
         "without fast kernels" in r.getMessage() and "flash-linear-attention" in r.getMessage()
@@ -320,7 +320,7 @@ def test_preflight_allow_slow_warns(monkeypatch, caplog):
 
 def test_preflight_cpu_logs_once(monkeypatch, caplog):
     monkeypatch.setattr(preflight, "_cpu_logged", False)
-    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.preflight"):
+    with caplog.at_level(logging.WARNING, logger="dflash_staged.model.target.preflight"):
         for _ in range(3):
             preflight_kernels(tiny_config("qwen3_5"), "cpu", allow_slow=False)
         preflight_kernels(tiny_config("qwen3"), "cpu", allow_slow=False)

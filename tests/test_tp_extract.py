@@ -11,8 +11,8 @@ from dflash_staged.errors import DflashError
 from dflash_staged.extract.group import Group, split_groups
 from dflash_staged.launch.disk import disk_requirements
 from dflash_staged.launch.processes import parse_gpus
-from dflash_staged.model.parallel import check_sharded, check_tp, good_tp_sizes
-from dflash_staged.model.tiny import build_tiny_model, tiny_config
+from dflash_staged.model.target.parallel import check_sharded, check_tp, good_tp_sizes
+from dflash_staged.model.target.tiny import build_tiny_model, tiny_config
 
 from helpers import ROOT, cli, plan
 

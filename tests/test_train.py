@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_staged.manifest import Manifest
-from dflash_staged.model.weights import load_drafter
+from dflash_staged.model.drafters.weights import load_drafter
 from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 
 from helpers import dflash, plan, run_dflash, sample_while, status

@@ -10,16 +10,16 @@ from safetensors.torch import save_file
 
 from dflash_staged.config import TargetConfig, load_config
 from dflash_staged.errors import DflashError
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
-from dflash_staged.model.target_weights import load_embed_and_head
-from dflash_staged.model.tiny import MASK, build_tiny_model, build_tiny_tokenizer, save_tiny_model
-from dflash_staged.model.weights import (
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafters.weights import (
     check_mask_absent,
     load_drafter,
     read_drafter_config,
     save_drafter,
     validate_mask_token,
 )
+from dflash_staged.model.target.tiny import MASK, build_tiny_model, build_tiny_tokenizer, save_tiny_model
+from dflash_staged.model.target.weights import load_embed_and_head
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_released_style_config_is_read(tmp_path):
         )
     with pytest.raises(DflashError, match="layer_types has 1 entries for 2 layers"):
         DraftModelConfig.from_dict(dict(released, layer_types=["full_attention"]))
-    with pytest.raises(DflashError, match="not a DFlash drafter"):
+    with pytest.raises(DflashError, match="not a drafter this project trains"):
         DraftModelConfig.from_dict(dict(released, architectures=["Qwen3ForCausalLM"]))
     with pytest.raises(DflashError, match="missing field 'vocab_size'"):
         DraftModelConfig.from_dict({k: v for k, v in released.items() if k != "vocab_size"})
@@ -399,7 +399,7 @@ def test_config_json_fields_read_as_the_reference_reads_them():
     """output_multiplier, final_logit_softcapping and input_embedding_scale from dflash_config, else from
     the top level; a negative softcap is refused; the scale survives the round trip (issue 35, item 3)."""
     from dflash_staged.errors import DflashError
-    from dflash_staged.model.config_json import DraftModelConfig
+    from dflash_staged.model.drafters.config import DraftModelConfig
 
     from helpers import make_drafter
 

@@ -113,6 +113,14 @@ from dflash_staged.errors import user_errors
     help="Start no prompt once this many seconds have passed (at least one runs); the report says how "
     "many ran.",
 )
+@click.option(
+    "--confidence-threshold",
+    type=click.FloatRange(min=0, max=1),
+    default=0.0,
+    show_default=True,
+    help="DSpark: verify a block only up to the first draft whose predicted acceptance (its confidence "
+    "head) is below this; 0 = every draft. The report gives the tokens verified per step.",
+)
 @user_errors
 def eval_cmd(
     drafter_path,
@@ -133,6 +141,7 @@ def eval_cmd(
     seed,
     draft_sampling,
     time_budget_s,
+    confidence_threshold,
 ):
     """Speculative decoding with the target, greedy or sampled (lossless rejection sampling):
     acceptance length tau, tokens/s vs plain decoding."""
@@ -156,6 +165,7 @@ def eval_cmd(
         chat_template=chat_template,
         sampling=sampling,
         time_budget_s=time_budget_s,
+        walk_options={"confidence_threshold": confidence_threshold} if confidence_threshold else None,
     )
     if plot_path:
         from dflash_staged.evaluate.plot import plot_eval

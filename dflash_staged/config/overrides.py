@@ -38,6 +38,7 @@ REPLAY_OVERRIDABLE = {
         "output_multiplier",
         "final_logit_softcapping",
         "input_embedding_scale",
+        "options",
     },
     "train": {f.name for f in fields(TrainConfig)},
 }

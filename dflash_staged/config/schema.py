@@ -160,21 +160,23 @@ class DrafterConfig:
     mask_token_id: int = -1  # token filling a block's unknown positions; -1 = len(tokenizer) when < vocab
     dtype: str = "bfloat16"  # dtype of the saved checkpoint
     # "auto" (target_top where the target's layers fit the drafter, else random, saying why),
-    # "target_top" (start from the target's top decoder layers, see model/init.py; refuses shapes
+    # "target_top" (start from the target's top decoder layers, see model/drafters/init.py; refuses shapes
     # that do not fit), or "random". Except with random, intermediate_size = 0 means the target's
     # MLP width. Measured on the demo: held-out tau 1.24 vs 1.14 (random) at equal budget.
     init: str = "auto"
     # Per layer "full_attention" or "sliding_attention", as in the reference config.json; empty =
     # all full. Sliding layers see a causal window of `sliding_window` positions (their own
-    # included): see dflash_staged/model/block_attention.py.
+    # included): see dflash_staged/model/drafters/attention.py.
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int = 0  # positions a sliding layer sees, its own included (set it with such layers)
     # Whether a layer's queries see later offsets of their own block: "auto" = the serving engines'
     # default (sliding layers causal, full layers bidirectional); true/false = every layer, written
     # to config.json as the top-level is_causal so that serving masks the block as training did.
     is_causal: bool | str = "auto"
-    # "dflash" (DFlashDraftModel) or "dflash2" (DFlash2DraftModel: in-block convolutions and the
-    # candidate selector, see dflash_staged/model/dflash2.py); the four fields below are DFlash2's.
+    # The drafter family (dflash_staged/model/drafters/registry.py): "dflash" (DFlashDraftModel),
+    # "dflash2" (DFlash2DraftModel: in-block convolutions and the candidate selector; the four fields
+    # below are its), "dspark" (Qwen3DSparkModel: a Markov head and a confidence head, the anchor row
+    # first) or "dspine" (DSpineDraftModel: adjacent causal injection and a refined candidate path).
     architecture: str = "dflash"
     conv_kernel_size: int = 2  # taps of the in-block convolutions (1..block_size)
     conv_group_size: int = 16  # channels sharing one dynamic kernel coefficient (divides the hidden size)
@@ -187,6 +189,9 @@ class DrafterConfig:
     # The block's input embeddings (anchor and mask tokens) times this, in training and serving
     # (the reference's dflash_config.input_embedding_scale).
     input_embedding_scale: float = 1.0
+    # The family's own settings ([drafter.options]; each family's folder lists its keys, defaults and
+    # rules, e.g. DSpark's markov_rank, DSpine's transfer_rank); unknown keys are refused at train start.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(
@@ -216,10 +221,6 @@ class DrafterConfig:
         _check(
             self.is_causal in (True, False, "auto"),
             f'drafter.is_causal={self.is_causal!r}: use true, false or "auto"',
-        )
-        _check(
-            self.architecture in ("dflash", "dflash2"),
-            f'drafter.architecture={self.architecture!r}: use "dflash" or "dflash2"',
         )
         _check(
             self.architecture != "dflash2" or 1 <= self.conv_kernel_size <= self.block_size,

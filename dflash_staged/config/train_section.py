@@ -42,7 +42,7 @@ class TrainConfig:
     log_every: int = 10  # host-synchronising metrics (loss, accuracy) every N steps on CUDA
     loss_chunk: int = 4096  # positions per chunk in the LM-head + loss
     # Attention in training: "flex" (block-sparse flex_attention, CUDA), "sdpa" (dense masks), or
-    # "auto" = flex on CUDA, sdpa elsewhere. See dflash_staged/model/flex_blocks.py.
+    # "auto" = flex on CUDA, sdpa elsewhere. See dflash_staged/model/drafters/flex.py.
     attention: str = "auto"
     # Loss weight per block offset: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE: detached weights
     # from the drafter's own probability of each label, smoothed by dpace_alpha; see train/objective.py).

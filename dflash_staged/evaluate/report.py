@@ -75,6 +75,7 @@ def run_eval(
     chat_template: str | Path | None = None,
     sampling: SamplingSettings | list[SamplingSettings] | None = None,
     time_budget_s: float | None = None,
+    walk_options: dict | None = None,
 ) -> dict:
     """Speculative decoding of every prompt (and plain greedy, unless ``baseline=False``): the report.
 
@@ -84,11 +85,12 @@ def run_eval(
     the report's top level is the first one's, with ``runs`` listing all of them when there are several.
     ``time_budget_s``: no prompt starts once that much time has passed (from the models' loading on;
     each setting gets an equal share, and at least one prompt): the report then says how many ran.
+    ``walk_options``: the drafter family's decoding options (DSpark: ``confidence_threshold``).
     """
     from dflash_staged.config import target_from_spec
-    from dflash_staged.model.dims import target_dims
+    from dflash_staged.model.drafters.weights import load_drafter, read_drafter_config
     from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids
-    from dflash_staged.model.weights import load_drafter, read_drafter_config
+    from dflash_staged.model.target.dims import target_dims
     from dflash_staged.train.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(drafter_path, "--drafter")
@@ -130,7 +132,7 @@ def run_eval(
     drafter = load_drafter(ckpt, embed, head, device=device, dtype=target.dtype)
     _say(f"loaded target {tcfg.model} and drafter {ckpt} in {time.perf_counter() - t0:.1f} s", quiet)
     stop = stop_token_ids(target.model, tok_cache[0] if tok_cache else None)
-    proposer = DrafterProposer(drafter)
+    proposer = DrafterProposer(drafter, **(walk_options or {}))
     greedy_generate(target, prompts[0][1], 2, stop)  # warm-up: first-call overheads stay out of the timings
     settings = _settings_list(sampling)
     runs = []
@@ -181,6 +183,7 @@ def _decode_all(
     block = proposer.block_size
     spec, plain = Sampler(settings), Sampler(settings)
     accepted_all: list[int] = []
+    verified_all: list[int] = []
     spec_tok = spec_s = base_tok = base_s = 0.0
     identical = 0
     per_prompt = []
@@ -199,6 +202,7 @@ def _decode_all(
         dt = time.perf_counter() - t
         spec_tok, spec_s = spec_tok + len(out.tokens), spec_s + dt
         accepted_all += out.accepted
+        verified_all += out.verified
         if out.accepted:  # a prompt that stopped at its first token has no verify step
             prompt_taus.append(sum(out.accepted) / len(out.accepted))
         rec = {
@@ -227,6 +231,8 @@ def _decode_all(
         **acceptance_stats(accepted_all, block),
         "sampling": settings.describe(),
         "block_size": block,
+        "architecture": proposer.family.name if hasattr(proposer, "family") else None,
+        "verified_per_step": sum(verified_all) / len(verified_all) if verified_all else 0.0,
         "tau_per_prompt_mean": sum(prompt_taus) / len(prompt_taus) if prompt_taus else 0.0,
         "prompts": len(prompts),
         "prompts_asked": asked,
@@ -256,7 +262,8 @@ def _format_run(r: dict) -> list[str]:
     lines = [
         f"{label}: tau {r['tau_per_prompt_mean']:.3f} (mean over prompts of each prompt's mean, as the "
         f"reference reports it); pooled over all steps {r['tau_pooled']:.3f} (block {r['block_size']}, "
-        f"{r['steps']} verify steps, {r['prompts']} prompts, max {r['max_new_tokens']} new tokens)",
+        f"{r['steps']} verify steps, {r['prompts']} prompts, max {r['max_new_tokens']} new tokens; "
+        f"{r.get('verified_per_step', 0):.2f} tokens verified a step)",
         "per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
         "accepted-length histogram (1..B): " + " ".join(str(x) for x in r["accept_length_histogram"]),
         f"speculative: {r['speculative']['tokens']} tokens in {r['speculative']['seconds']:.1f} s "

@@ -8,14 +8,17 @@ Contract (as the reference z-lab ``dflash_generate``; the tests hold it to it):
   positions ``0..P-1``.
 * **Step.** The *anchor* is the last committed token, at position ``s``; its features are not
   known yet (the target has not run it). The proposer sees the taps of positions ``0..s-1`` and
-  the committed tokens ``0..s`` and proposes the ``B-1`` tokens after the anchor. The target
-  verifies the block ``[anchor, d_1 .. d_{B-1}]`` (positions ``s..s+B-1``) in one forward with
-  the cache. With ``a`` = the longest prefix of drafts equal to the target's argmax, the step
-  commits ``d_1..d_a`` plus the target's own next token (the *bonus*): ``a + 1`` tokens, so the
-  output is exactly plain greedy decoding. The taps of the verified positions ``s..s+a`` join
-  the context; the cache keeps positions ``0..s+a`` (dense caches are cropped; a hybrid
-  linear-attention cache is deep-copied before the verify and, unless every draft was
-  accepted, the copy re-runs the ``a + 1`` verified tokens). The next anchor is the bonus.
+  the committed tokens ``0..s`` and proposes up to ``B-1`` tokens after the anchor, ``B`` being the
+  proposer's ``block_size`` (the verified block: ``B-1`` drafts for a DFlash drafter of block ``B``,
+  ``B`` for a DSpark drafter of block ``B``, whose block rows are all proposals). The target
+  verifies ``[anchor, d_1 .. d_n]`` (positions ``s..s+n``) in one forward with the cache. With
+  ``a`` = the longest prefix of drafts equal to the target's argmax, the step commits
+  ``d_1..d_a`` plus the target's own next token (the *bonus*): ``a + 1`` tokens, so the output is
+  exactly plain greedy decoding. The taps of the verified positions ``s..s+a`` join the context;
+  the cache keeps positions ``0..s+a`` (dense caches are cropped; a hybrid linear-attention cache
+  is deep-copied before the verify and, unless every draft was accepted, the copy re-runs the
+  ``a + 1`` verified tokens). The next anchor is the bonus. A proposer may return fewer drafts
+  than ``B-1`` (DSpark's confidence-scheduled length); ``verified`` records ``n + 1`` per step.
 * **Sampling** (``sampler`` with a temperature > 0, :mod:`dflash_staged.evaluate.sampling`,
   whose docstring is that contract): the first new token is drawn from the target's distribution
   ``p``; each step the proposer draws its drafts with their proposal ``q`` and the verify accepts
@@ -27,27 +30,28 @@ Contract (as the reference z-lab ``dflash_generate``; the tests hold it to it):
   blocks are shortened as the reference ``dflash_generate`` does: with ``r`` new tokens still to
   come, the verified block is ``[anchor, d_1 .. d_n]`` with ``n = min(B-1, r)`` drafts, the proposer
   drafts that shorter block (a proposer with ``sized = True`` runs its drafter on ``n + 1``
-  positions, which changes the drafts under bidirectional attention; others are truncated), and
-  the step commits at most ``r`` tokens: a bonus past ``max_new_tokens`` is discarded.
+  positions, which changes the drafts under bidirectional attention; others, DSpark's as its
+  reference, draft the full block and are truncated), and the step commits at most ``r`` tokens: a
+  bonus past ``max_new_tokens`` is discarded.
 * **Acceptance length** ``tau`` = tokens committed per verify step (prefill token excluded):
   1.0 without a drafter, at most ``B``. Per-position rate ``k`` (1..B-1) = share of verify
   steps that committed draft ``k``, so ``tau = 1 + sum(rates)``.
 * A *proposer* is anything with ``block_size`` (int), ``reset()`` (called once per prompt) and
-  ``propose(context [S, K, H], tokens [S+1]) -> LongTensor [B-1]``, the greedy drafts; to sample
+  ``propose(context [S, K, H], tokens [S+1]) -> LongTensor [n]``, the greedy drafts; to sample
   it also takes ``propose(context, tokens, sampler)`` (a
   :class:`~dflash_staged.evaluate.sampling.Sampler`, its ``temperature`` > 0, its generator for
-  every draw) and returns ``(drafts [B-1], q)``, ``q`` the proposal the drafts were drawn from:
-  dense ``[B-1, V]`` or ``SparseQ(ids [B-1, K], probs [B-1, K])``. :class:`DrafterProposer`
-  wraps a :class:`~dflash_staged.model.drafter.DFlashDrafter`; tests inject oracles.
-* **DrafterProposer's drafts.** DFlash v1 (``drafter.selector is None``): greedy = argmax of the
-  block's logits; sampled = drawn from ``q = softmax(logits / T)`` over the vocabulary (dense q).
-  DFlash2 (a ``selector``): ``draft_block(..., return_hidden=True)`` gives the logits (through
-  the drafter's unary transform) and the final-normed hidden states of slots 1..B-1, and
-  ``selector.walk(logits, hidden, anchor, temperature, generator)`` the left-to-right walk's
-  tokens with the candidates and their probabilities: one-hot at temperature 0 (the drafts are
-  the argmax walk's), ``softmax(scores / T)`` over the K candidates otherwise (sparse q).
+  every draw) and returns ``(drafts [n], q)``, ``q`` the proposal the drafts were drawn from:
+  dense ``[n, V]`` or ``SparseQ(ids [n, K], probs [n, K])``. :class:`DrafterProposer`
+  wraps a drafter; tests inject oracles.
+* **DrafterProposer's drafts** come from the drafter's family
+  (:meth:`~dflash_staged.model.drafters.family.Family.walk`) over the block's proposal rows (their
+  logits through the drafter's logit transform and their final-normed states): DFlash2's selector
+  walk, DSpark's Markov head left to right, DSpine's refined candidate path; each greedy at
+  temperature 0, else a draw with its proposal. A family without a walk (DFlash v1): greedy =
+  argmax of the block's logits, sampled = drawn from ``q`` over the vocabulary (dense q,
+  :meth:`~dflash_staged.evaluate.sampling.Sampler.propose`).
 * **Drafter cache.** :class:`DrafterProposer` keeps the drafter's context keys/values in a
-  :class:`~dflash_staged.model.drafter.DraftCache` of the committed positions: each step
+  :class:`~dflash_staged.model.drafters.backbone.DraftCache` of the committed positions: each step
   computes them only for the positions verified since the last one, and a cache longer than
   the context it is handed is cropped to it, as the reference crops its draft
   ``DynamicCache`` to the committed length. The drafts are those of recomputing the whole
@@ -65,7 +69,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from dflash_staged.evaluate.sampling import SparseQ, proposal_rows
-from dflash_staged.model.drafter import DraftCache
+from dflash_staged.model.drafters.backbone import DraftCache
 
 
 class Proposer(Protocol):
@@ -77,29 +81,30 @@ class Proposer(Protocol):
 
 
 class DrafterProposer:
-    """Drafts of a DFlash drafter (v1, or DFlash2 through its selector's walk), greedy or sampled.
-    The context is fused once per position; with ``kv_cache`` (default) its keys/values are cached
-    too, else recomputed every step. ``propose(..., size=n)`` drafts a block of ``n`` positions."""
+    """Drafts of a drafter through its family's walk (DFlash v1's rule when the family has none),
+    greedy or sampled. The context is fused once per position; with ``kv_cache`` (default) its
+    keys/values are cached too, else recomputed every step. ``propose(..., size=n)`` drafts a block of
+    ``n`` positions (a family whose blocks start with a proposal, DSpark, drafts full blocks and the
+    caller truncates, as its reference does). ``walk_options`` go to the family's walk (DSpark:
+    ``confidence_threshold``)."""
 
-    sized = True
-
-    def __init__(self, drafter, kv_cache: bool = True):
+    def __init__(self, drafter, kv_cache: bool = True, **walk_options):
         self.drafter = drafter.eval()
-        self.block_size = drafter.block_size
+        self.family = drafter.family
+        self.block_size = drafter.proposals + 1  # the verified block: the anchor and every proposal
+        self.sized = drafter.first_row == 1
         self.device = drafter.fc.weight.device
         self.kv_cache = kv_cache
-        self.selector = getattr(drafter, "selector", None)
+        self.walk_options = walk_options
         self.reset()
 
     def reset(self) -> None:
         self._fused: torch.Tensor | None = None
         self._cache = DraftCache()
 
-    def _draft(self, context: torch.Tensor, anchor: torch.Tensor, S: int, size: int | None = None):
-        """The block's logits ``[B-1, V]`` (with a selector: ``(logits, hidden)``); ``size``: a shorter
-        block of that many positions."""
-        extra = {"return_hidden": True} if self.selector is not None else {}
-        extra["size"] = size
+    def _draft(self, context: torch.Tensor, anchor: torch.Tensor, S: int, size: int | None, state: dict):
+        """The block's proposal rows: ``(logits [P, V], hidden [P, H])``; ``size``: a shorter block."""
+        extra = {"return_hidden": True, "size": size if self.sized else None, "state": state}
         if self.kv_cache:
             if self._cache.length > S:
                 self._cache.crop(S)  # only committed positions stay
@@ -117,22 +122,26 @@ class DrafterProposer:
     def propose(self, context: torch.Tensor, tokens: torch.Tensor, sampler=None, size: int | None = None):
         S = context.shape[0]
         anchor = tokens[S].to(self.device)
-        out = self._draft(context, anchor, S, size)
+        state: dict = {}
+        logits, hidden = self._draft(context, anchor, S, size, state)
         sampled = sampler is not None and not sampler.greedy
-        if self.selector is None:
-            return sampler.propose(out) if sampled else out.argmax(-1)
-        logits, hidden = out
         temperature = sampler.temperature if sampled else 0.0
         gen = sampler.generator(self.device) if sampled else None
-        drafts, ids, probs = self.selector.walk(
-            logits, hidden, anchor, temperature=temperature, generator=gen
+        out = self.family.walk(
+            self.drafter, logits, hidden, anchor, temperature, gen, state=state, **self.walk_options
         )
-        return (drafts, SparseQ(ids, probs)) if sampled else drafts
+        if out is None:  # DFlash v1: the block's argmax, or a draw from its (filtered) logits
+            return sampler.propose(logits) if sampled else logits.argmax(-1)
+        drafts, q = out
+        if not sampled:
+            return drafts
+        return drafts, (SparseQ(*q) if isinstance(q, tuple) else q)
 
 
 class SpecOutput(NamedTuple):
     tokens: list[int]  # the new tokens (prefill token first)
     accepted: list[int]  # tokens committed by each verify step
+    verified: list[int] = []  # tokens each verify step checked: the anchor and its drafts
 
 
 def _as_ids(input_ids) -> torch.Tensor:
@@ -166,12 +175,12 @@ def speculative_generate(
     ctx = taps.new_empty(P + max_new_tokens + B, *taps.shape[2:])
     ctx[:P] = taps[0]
     tokens[P] = sampler.next_token(logits[0, -1]) if sampled else logits[0, -1].argmax()
-    new, accepted = [int(tokens[P])], []
+    new, accepted, verified = [int(tokens[P])], [], []
     if proposer is not None:
         proposer.reset()
     s = P  # position of the anchor (the last committed token)
     if new[0] in stop:
-        return SpecOutput(new, accepted)
+        return SpecOutput(new, accepted, verified)
     sized = getattr(proposer, "sized", False)
     while len(new) < max_new_tokens:
         left = max_new_tokens - len(new)  # new tokens still to come
@@ -181,11 +190,14 @@ def speculative_generate(
         kw = {"size": size} if sized and size < B else {}
         if size > 1 and sampled:
             drafts, q = proposer.propose(ctx[:s], tokens[: s + 1], sampler, **kw)
-            drafts, q = drafts[: size - 1], proposal_rows(q, size - 1)
+            drafts = drafts[: size - 1]
+            q = proposal_rows(q, drafts.numel())
             block = torch.cat([block, drafts.to(block)])
         elif size > 1:
             drafts = proposer.propose(ctx[:s], tokens[: s + 1], **kw)[: size - 1]
             block = torch.cat([block, drafts.to(block)])
+        size = block.numel()  # a proposer may draft fewer (DSpark's confidence schedule)
+        verified.append(size)
         snapshot = copy.deepcopy(cache) if size > 1 and not target.supports_crop else None
         logits, vtaps, cache = target.forward_with_taps(block[None], cache)
         if sampled:
@@ -211,7 +223,7 @@ def speculative_generate(
         elif keep < size:
             _, _, cache = target.forward_with_taps(block[None, :keep], snapshot)
         s += keep
-    return SpecOutput(new, accepted)
+    return SpecOutput(new, accepted, verified)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ longer than a claim lives).
 
 Roles: rank 0, the **leader**, runs the worker loop of :mod:`~dflash_staged.extract.worker`: it
 alone claims, keeps the lease, writes and publishes (the full, unsharded tapped states: every
-rank's layer outputs are whole, see :mod:`dflash_staged.model.parallel`), and the claim carries
+rank's layer outputs are whole, see :mod:`dflash_staged.model.target.parallel`), and the claim carries
 its pid. The **followers** (ranks 1..N-1) hold their slice of the target and run :func:`follow`
 on what the leader broadcasts (:meth:`Group.send`):
 

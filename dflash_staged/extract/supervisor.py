@@ -105,8 +105,8 @@ def shard_bytes_max(m: Manifest, opts: ExtractOptions) -> int:
     bpt = int(m.meta.get("bytes_per_token") or 0)
     if not bpt:
         from dflash_staged.dtypes import resolve_dtype
-        from dflash_staged.model.dims import target_dims
         from dflash_staged.model.target import resolve_layer_ids
+        from dflash_staged.model.target.dims import target_dims
         from dflash_staged.store import bytes_per_token
 
         cfg = m.config
@@ -135,8 +135,8 @@ def run_extract(opts: ExtractOptions) -> int:
     if warn:
         click.echo(f"warning: {warn}", err=True)
     if opts.tp > 1:
-        from dflash_staged.model.dims import target_text_config
-        from dflash_staged.model.parallel import check_tp
+        from dflash_staged.model.target.dims import target_text_config
+        from dflash_staged.model.target.parallel import check_tp
 
         check_tp(target_text_config(m.config.target), opts.tp, f"target.model={m.config.target.model!r}")
     if m.counts()["failed"]:

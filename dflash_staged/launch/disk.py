@@ -29,7 +29,7 @@ def target_hidden_size(model: str, override: int | None = None) -> int | None:
         return override
     from dflash_staged.config import TargetConfig
     from dflash_staged.errors import DflashError
-    from dflash_staged.model.dims import target_dims
+    from dflash_staged.model.target.dims import target_dims
 
     try:
         return target_dims(TargetConfig(model=model), local_only=True).hidden_size

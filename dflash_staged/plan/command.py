@@ -24,8 +24,8 @@ def plan_manifest(
     from dflash_staged.chat import ChatOptions
     from dflash_staged.config import ConfigError, load_config
     from dflash_staged.manifest import Manifest
-    from dflash_staged.model.dims import target_dims
     from dflash_staged.model.target import resolve_layer_ids
+    from dflash_staged.model.target.dims import target_dims
     from dflash_staged.plan.dataset import load_dataset
 
     cfg = load_config(config_path)

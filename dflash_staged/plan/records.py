@@ -28,7 +28,7 @@ import numpy as np
 from dflash_staged.chat import ChatOptions, tokenize_messages
 from dflash_staged.config import Config
 from dflash_staged.errors import BadRecord
-from dflash_staged.model.dims import target_dims
+from dflash_staged.model.target.dims import target_dims
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 FROM_ROLES = {

@@ -94,10 +94,10 @@ SHARED_ENV = "DFLASH_TRAIN_SHARES_GPU_WITH_EXTRACT"  # set by `dflash pipeline` 
 def train_device_bytes(cfg: Config, device: torch.device) -> int | None:
     """The device memory the trainer's estimate may plan with: None (the whole device) unless the
     launcher says an extract worker shares this GPU (:data:`SHARED_ENV`); then the device's memory
-    less what that worker holds (:func:`dflash_staged.model.dims.extract_footprint`)."""
+    less what that worker holds (:func:`dflash_staged.model.target.dims.extract_footprint`)."""
     if device.type != "cuda" or os.environ.get(SHARED_ENV) != "1":
         return None
-    from dflash_staged.model.dims import extract_footprint
+    from dflash_staged.model.target.dims import extract_footprint
 
     total = torch.cuda.get_device_properties(device).total_memory
     stored = len(cfg.target.target_layer_ids or [0] * cfg.drafter.num_hidden_layers)

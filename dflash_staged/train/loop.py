@@ -145,6 +145,7 @@ def metrics_line(
         selector = target_metrics(stats)  # with the target's logits: agreement, overlap, expected tau
         if getattr(t.model.drafter, "selector", None) is not None:
             selector.update(selector_metrics(stats))
+        selector.update(t.model.drafter.family.metrics(stats))
     choices = t.dist.sum_int(data.bucket_choices if data else 0)
     return {
         "step": t.step,

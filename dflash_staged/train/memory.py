@@ -21,10 +21,11 @@ here from the device's memory) and :func:`estimate` states the peak it expects:
   (:data:`LOSS_BUFFERS`); with a term on the target's distribution also the target's logits, both
   sides' log-probabilities and probabilities (:data:`TARGET_LOSS_BUFFERS`), and the target's last
   layer among the context tokens' inputs;
-* **DFlash2**: its convolutions' saved inputs and kernels (:data:`CONV_ROW_ELEMS`) a row per layer,
-  and the selector's fp32 candidate codebook rows, scores and their gradients a row;
+* **the family's own** (:meth:`~dflash_staged.model.drafters.family.Family.memory`): DFlash2's
+  convolutions and selector candidates, DSpark's Markov and confidence heads, DSpine's injection,
+  refinement and transfer codes, each family's figures in its own folder;
 * **flex padding** (CUDA): ``flex_attention`` takes the rows padded to a power of two
-  (:mod:`dflash_staged.model.flex_blocks`), and keeps q, the blocks' k and v and its output for
+  (:mod:`dflash_staged.model.drafters.flex`), and keeps q, the blocks' k and v and its output for
   every padding row too (``pad_row`` a padding row, a layer); and a microbatch holds at most
   ``row_cap`` rows, so the padded q's offsets (rows x heads x head size) stay below 2**31.
 
@@ -43,7 +44,6 @@ from dflash_staged.config import TrainConfig
 from dflash_staged.errors import DflashError
 
 ROW_ELEMS = 6.5  # saved elements a row per layer, in units of (hidden + intermediate), each saved once
-CONV_ROW_ELEMS = 4  # DFlash2: a layer's convolutions keep about 4 x (2 x taps + 1) x hidden a row
 LOSS_BUFFERS = 3  # fp32 [loss_chunk, vocab] tensors of the head with ce alone: logits, softmax, gradient
 TARGET_LOSS_BUFFERS = 10  # ... with the target's logits: both sides' logits and softmaxes, the terms
 USABLE = 0.85  # share of the device's memory the estimate may fill (allocator slack, CUDA context)
@@ -118,11 +118,7 @@ def estimate(
     rows_elems = layer_row if t.activation_checkpointing else L * layer_row
     ckpt_row = L * H * 4 if t.activation_checkpointing else 0
     head_row = H * act  # the chunked head's gradient to the drafter's states, kept from forward to backward
-    selector_row = 0
-    if c.architecture == "dflash2":  # four convolutions a layer; the selector's candidates (fp32)
-        conv_row = CONV_ROW_ELEMS * (2 * c.conv_kernel_size + 1) * H
-        rows_elems += conv_row if t.activation_checkpointing else L * conv_row
-        selector_row = selector_row_bytes(c)
+    family_fixed, family_row = c.family.memory(c, c.options, t.activation_checkpointing, act)
     taps = len(c.target_layer_ids)
     kv = 2 * c.num_key_value_heads * c.head_dim
     taps += 1 if target_logits else 0  # the target's last layer, read beside the taps
@@ -133,8 +129,8 @@ def estimate(
     pad_row = L * (2 * q_row + kv) * act if cuda else 0  # q and its output; the blocks' k and v
     row_cap = 1 << ((2**31 - 1) // q_row).bit_length() - 1 if cuda else 0
     return MemoryEstimate(
-        fixed=trainable * (18 if cuda else 16) + frozen * act,
-        per_row=rows_elems * act + ckpt_row + head_row + selector_row,
+        fixed=trainable * (18 if cuda else 16) + frozen * act + family_fixed,
+        per_row=rows_elems * act + ckpt_row + head_row + family_row,
         context=ctx_elems * act,
         loss=(TARGET_LOSS_BUFFERS if target_logits else LOSS_BUFFERS)
         * min(t.loss_chunk, t.microbatch_tokens * c.block_size)
@@ -144,11 +140,6 @@ def estimate(
         pad_row=pad_row,
         row_cap=row_cap,
     )
-
-
-def selector_row_bytes(c) -> int:
-    """DFlash2's selector a row: the candidates' fp32 codebook rows, their scores and gradients."""
-    return 3 * c.selector_top_k * c.selector_rank * 4
 
 
 def row_budget(est: MemoryEstimate, t: TrainConfig, block_size: int) -> int:

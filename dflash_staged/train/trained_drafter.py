@@ -21,9 +21,9 @@ import torch
 
 from dflash_staged.config import Config, TrainConfig
 from dflash_staged.errors import DflashError
-from dflash_staged.model.drafter import DFlashDrafter
-from dflash_staged.model.flex_blocks import resolve_attention
-from dflash_staged.model.weights import write_drafter_files
+from dflash_staged.model.drafters.backbone import DFlashDrafter
+from dflash_staged.model.drafters.flex import resolve_attention
+from dflash_staged.model.drafters.weights import write_drafter_files
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.memory import estimate, row_budget
@@ -37,6 +37,8 @@ class Knobs(NamedTuple):
     noise_std: float
     selector_alpha: float
     target_metrics: bool = False  # a logging step: recompute the target's logits for its metrics too
+    step: int = 0  # the optimizer step and the run's length (a family's own schedules)
+    total_steps: int = 0
 
 
 class DrafterModel:
@@ -81,13 +83,16 @@ class DrafterModel:
             noise_std_at(step, total_steps, t.noise_std, t.noise_schedule),
             alpha_at(step, total_steps, t.selector_alpha, t.selector_warmup_ratio, t.selector_ramp_ratio),
             self.target_norm is not None and (step + 1) % t.log_every == 0,
+            step,
+            total_steps,
         )
 
     def loss(self, mb: dict, knobs: Knobs):
         """(weighted loss sum, stats) of one microbatch already on the device; see :func:`dflash_loss`.
         The target's logits are recomputed when the loss needs them, and for the metrics every
         ``train.log_every`` steps (when the store has the target's last layer)."""
-        norm = self.target_norm if (self.t.needs_target or knobs.target_metrics) else None
+        wants = self.t.needs_target or self.drafter.family.needs_target or knobs.target_metrics
+        norm = self.target_norm if wants else None
         with self.autocast():
             return dflash_loss(
                 self.drafter,
@@ -108,10 +113,12 @@ class DrafterModel:
                 distill_temperature=self.t.distill_temperature,
                 lk_eta=self.t.lk_eta,
                 selector_labels=self.t.selector_labels,
+                step=knobs.step,
+                total_steps=knobs.total_steps,
             )
 
     def zero_stats(self) -> dict[str, torch.Tensor]:
-        return zero_stats(self.block_size, self.device)
+        return zero_stats(self.drafter.proposals + 1, self.device, extra=self.drafter.family.stats)
 
     @staticmethod
     def add_stats(acc: dict, st: dict) -> None:
@@ -126,6 +133,12 @@ class DrafterModel:
     def load_state_dict(self, state) -> None:
         """Refuse a checkpoint of another drafter config (the dtype may differ)."""
         have, want = state["drafter_config"], self.drafter.dcfg.to_dict()
+        if have.get("architectures") != want.get("architectures"):
+            raise DflashError(
+                f"checkpoint {getattr(state, 'path', '')} holds a {have.get('architectures')} drafter and "
+                f"this run trains a {want.get('architectures')} one (drafter.architecture = "
+                f"{self.drafter.family.name!r}): a resume keeps its drafter family; use a new --out"
+            )
         diffs = [
             f"{k}: {have.get(k)!r} -> {want.get(k)!r}"
             for k in sorted(set(have) | set(want))
@@ -145,9 +158,18 @@ class DrafterModel:
 def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> torch.nn.Module | None:
     """The target's final norm when the store holds its last layer (None otherwise). A loss that needs
     the target's distribution on a store without the last layer is refused here, before any step."""
-    from dflash_staged.model.target_weights import load_final_norm
+    from dflash_staged.model.target.weights import load_final_norm
 
     if store.meta.last_layer is None:
+        from dflash_staged.model.drafters.registry import family
+
+        fam = family(cfg.drafter.architecture)
+        if fam.needs_target:
+            raise DflashError(
+                f"drafter.architecture = {fam.name!r} learns from the target's own distribution, which needs "
+                f"its last layer in the store, and store {store.root} was extracted without it: plan with "
+                "[target] store_last_layer = true and extract again"
+            )
         if cfg.train.needs_target:
             what = ", ".join(cfg.train.target_terms) or "selector_labels = target"
             raise DflashError(
@@ -162,11 +184,11 @@ def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> tor
 def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_from: Path | None = None):
     """A freshly initialised drafter for this target and store, with the frozen embedding and head;
     ``init_from`` (``--init-from``): start from another run's (or checkpoint's) weights instead."""
-    from dflash_staged.model.dims import target_dims
-    from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+    from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+    from dflash_staged.model.drafters.weights import validate_mask_token
     from dflash_staged.model.target import load_tokenizer
-    from dflash_staged.model.target_weights import load_embed_and_head
-    from dflash_staged.model.weights import validate_mask_token
+    from dflash_staged.model.target.dims import target_dims
+    from dflash_staged.model.target.weights import load_embed_and_head
 
     dims = target_dims(cfg.target)
     if store.meta.hidden_size != dims.hidden_size:
@@ -179,7 +201,7 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_fro
     mask_id = validate_mask_token(cfg.drafter.mask_token_id, load_tokenizer(cfg.target), dims.vocab_size)
     from_target = cfg.drafter.init != "random"  # target_top, or auto
     if from_target and not cfg.drafter.intermediate_size:  # the target's MLP width, so it can be copied
-        from dflash_staged.model.dims import target_text_config
+        from dflash_staged.model.target.dims import target_text_config
 
         cfg = copy.deepcopy(cfg)
         cfg.drafter.intermediate_size = int(
@@ -201,7 +223,7 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_fro
 def init_from_target_layers(cfg: Config, drafter, fresh):
     """``drafter.init``: target_top copies the target's top layers (or fails, naming the fix); auto
     does so where they fit and otherwise keeps random weights (``fresh()``, same seed), saying why."""
-    from dflash_staged.model.init import init_from_target
+    from dflash_staged.model.drafters.init import init_from_target
 
     try:
         copied = init_from_target(drafter, cfg.target)
@@ -228,6 +250,15 @@ def warm_start(drafter, path: Path) -> Path:
     from safetensors.torch import load_file
 
     ck = ckpt.resolve_checkpoint(path, "--init-from")
+    from dflash_staged.model.drafters.weights import read_drafter_config
+
+    theirs = read_drafter_config(ck).family
+    if theirs is not drafter.family:
+        raise DflashError(
+            f"--init-from {ck}: it is a {theirs.name} drafter ({theirs.architecture}) and this run trains a "
+            f"{drafter.family.name} one ({drafter.family.architecture}); warm-start from a drafter of the "
+            "same family"
+        )
     masters = ck / "trainer_state.safetensors"
     if masters.is_file():
         state = {

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from dflash_staged.manifest import Manifest
-from dflash_staged.model.dims import target_dims
+from dflash_staged.model.target.dims import target_dims
 
 from chaos import Chaos
 from helpers import plan, run, start, write_config, write_dataset

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from dflash_staged.manifest import Manifest
-from dflash_staged.model.dims import target_dims
+from dflash_staged.model.target.dims import target_dims
 
 from helpers import plan, start
 from rel_helpers import (

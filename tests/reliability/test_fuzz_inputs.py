@@ -48,7 +48,7 @@ _TOKENIZER = []
 def cached_tokenizer(monkeypatch):
     def load(tcfg):
         if not _TOKENIZER:
-            from dflash_staged.model.tiny import build_tiny_tokenizer
+            from dflash_staged.model.target.tiny import build_tiny_tokenizer
 
             _TOKENIZER.append(build_tiny_tokenizer())
         return _TOKENIZER[0]

@@ -10,7 +10,7 @@ import signal
 import time
 
 from dflash_staged.manifest import Manifest
-from dflash_staged.model.dims import target_dims
+from dflash_staged.model.target.dims import target_dims
 from dflash_staged.train.checkpoint import latest_checkpoint
 
 from helpers import plan, start

@@ -229,7 +229,7 @@ def test_a_failure_while_loading_stops_the_whole_group_before_any_claim(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_tp2_hybrid_targets_match_tp1(tmp_path, kind):
-    """The hybrid (Gated DeltaNet) tiny targets, as listed in dflash_staged/model/parallel.py."""
+    """The hybrid (Gated DeltaNet) tiny targets, as listed in dflash_staged/model/target/parallel.py."""
     mdir = plan(tmp_path, n=12, extra=EXTRA + f'[target]\nmodel = "tiny:{kind}"\n')
     r = run_dflash(
         "extract",

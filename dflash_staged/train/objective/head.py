@@ -9,8 +9,8 @@ training):
   position each row reads and the target's final norm). It forms ``chunk`` rows at a time the
   drafter's logits and, with the target's rows, the target's logits from ``norm(last) @ W^T``, both
   through the target's logit transform (``output_multiplier``, ``final_logit_softcapping``; see
-  :mod:`dflash_staged.model.dflash2`). No ``[rows, V]`` tensor outlives its chunk, for the drafter
-  or the target, in the forward or the backward.
+  :mod:`dflash_staged.model.drafters.dflash2.modules`). No ``[rows, V]`` tensor outlives its chunk, for the
+  drafter or the target, in the forward or the backward.
 * It returns :class:`HeadRows`: ``loss``, each row's value of the weighted terms
   (:func:`~dflash_staged.train.objective.terms.combine`, differentiable in ``h``); top-1 ``hits``
   against the data label; ``p_label``, the drafter's probability of the row's label (the target's
@@ -35,14 +35,14 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_staged.model.dflash2 import transform_logits
+from dflash_staged.model.drafters.layers import transform_logits
 from dflash_staged.train.objective.terms import Chunk, combine
 
 
 class TargetRows(NamedTuple):
     """The target's side of the head: its last layer's outputs ``states [T, H]`` (before its final
     norm), the position each head row reads (``pos [P]``: the token before the row's label) and the
-    target's final norm (:class:`~dflash_staged.model.target_weights.FinalNorm`)."""
+    target's final norm (:class:`~dflash_staged.model.target.weights.FinalNorm`)."""
 
     states: torch.Tensor
     pos: torch.Tensor

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dflash_staged.errors import DflashError
+from dflash_staged.model.drafters.family import FamilyBatch, FamilyRows
 from dflash_staged.train.objective.anchors import add_noise, block_labels, sample_anchors
 from dflash_staged.train.objective.head import TargetRows, head_rows
 from dflash_staged.train.objective.metrics import block_acceptance, expected_acceptance, zero_stats
@@ -57,6 +58,40 @@ def head_loss(
     return (row_weights.float() * rows.loss).sum() / d, wsum, rows.hits
 
 
+def _denom(wsum: torch.Tensor, denom, dev) -> torch.Tensor:
+    """What a microbatch's loss sum is divided by: its weight sum by default, else ``denom``."""
+    return wsum.clamp_min(1e-6) if denom is None else torch.as_tensor(denom, dtype=torch.float32, device=dev)
+
+
+def family_stats(drafter, rows: FamilyRows, A: int) -> dict[str, torch.Tensor]:
+    """The standard statistics (and the family's own sums) from a family objective's rows."""
+    dev = rows.valid.device
+    stats = zero_stats(drafter.proposals + 1, dev, torch.float32, extra=drafter.family.stats)
+    accepted, blocks = block_acceptance(rows.hits, rows.valid)
+    stats.update(
+        correct=(rows.hits & rows.valid).sum(0),
+        total=rows.valid.sum(0),
+        loss_sum=rows.main_sum,
+        weight_sum=rows.weight_sum,
+        accepted=accepted,
+        blocks=blocks,
+        num_anchors=torch.tensor(A, device=dev),
+        **rows.extra,
+    )
+    if rows.target_hits is not None:
+        stats.update(
+            target_correct=(rows.target_hits & rows.valid).sum(0),
+            target_total=rows.valid.sum(0),
+            target_accepted=block_acceptance(rows.target_hits, rows.valid)[0],
+        )
+    if rows.alpha is not None:
+        stats.update(
+            overlap=(rows.alpha * rows.valid).sum(0),
+            expected_accepted=expected_acceptance(rows.alpha, rows.valid),
+        )
+    return stats
+
+
 def dflash_loss(
     drafter,
     batch: Any,
@@ -77,6 +112,8 @@ def dflash_loss(
     distill_temperature: float = 1.0,
     lk_eta: float = 3.0,
     selector_labels: str = "data",
+    step: int = 0,
+    total_steps: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one microbatch and its stats (see :mod:`dflash_staged.train.objective`).
 
@@ -95,7 +132,13 @@ def dflash_loss(
             f"{hidden.shape[0]} rows and input_ids {input_ids.shape[0]}; the shard is inconsistent"
         )
     taps, last = split_hidden(drafter, hidden)
-    wants_target = needs_target(terms) or selector_labels == "target"
+    fam = drafter.family
+    if fam.needs_target and (last is None or target_norm is None):
+        raise DflashError(
+            f"drafter.architecture={fam.name!r} learns from the target's distribution: its last layer must "
+            "be in the store ([target] store_last_layer = true) and its final norm loaded"
+        )
+    wants_target = fam.objective is None and (needs_target(terms) or selector_labels == "target")
     if wants_target and (last is None or target_norm is None):
         raise DflashError(
             f"train.loss={terms} (selector_labels={selector_labels!r}) needs the target's logits: its last "
@@ -106,8 +149,15 @@ def dflash_loss(
     A = anchors.shape[0]
     if A == 0:
         loss = sum(p.sum() for p in drafter.parameters() if p.requires_grad) * 0.0
-        return loss, zero_stats(B, dev)
+        return loss, zero_stats(drafter.proposals + 1, dev, extra=fam.stats)
     taps = add_noise(taps, noise_std, generator)
+    if fam.objective is not None:
+        fb = FamilyBatch(
+            drafter, taps, input_ids, loss_mask, cu, anchors, last, target_norm, attention, step,
+            total_steps, loss_chunk, generator, gamma,
+        )  # fmt: skip
+        total, rows = fam.objective(fb)
+        return total / _denom(rows.weight_sum, denom, dev), family_stats(drafter, rows, A)
     out = drafter.forward_train(taps, input_ids, cu, anchors, attention=attention)[:, 1:]  # [A, B-1, H]
     labels, valid = block_labels(input_ids, loss_mask, cu, anchors, B)
     target = None
@@ -134,7 +184,7 @@ def dflash_loss(
     else:
         w = decay_weights(B, gamma, dev)[None, :] * valid
     wsum = w.sum()
-    used = wsum.clamp_min(1e-6) if denom is None else torch.as_tensor(denom, dtype=torch.float32, device=dev)
+    used = _denom(wsum, denom, dev)
     main = (w.reshape(-1) * head.loss).sum()
     hits = head.hits.view(A, B - 1)
     accepted, blocks = block_acceptance(hits, valid)

@@ -36,12 +36,14 @@ SCALARS = (
 )
 
 
-def zero_stats(block_size: int, device, dtype=torch.float64) -> dict[str, torch.Tensor]:
-    """Every statistic at zero (the accumulator a step sums microbatches into)."""
+def zero_stats(block_size: int, device, dtype=torch.float64, extra=()) -> dict[str, torch.Tensor]:
+    """Every statistic at zero (the accumulator a step sums microbatches into): per-offset ones over
+    ``block_size - 1`` proposal rows (pass the drafter's ``proposals + 1``), and the scalars, with a
+    family's own (``extra``)."""
     z = torch.zeros(block_size - 1, dtype=dtype, device=device)
     s = torch.zeros((), dtype=dtype, device=device)
     out = {k: z.clone() for k in PER_OFFSET + PER_OFFSET_SUMS}
-    out.update({k: s.clone() for k in SCALARS})
+    out.update({k: s.clone() for k in SCALARS + tuple(extra)})
     return out
 
 

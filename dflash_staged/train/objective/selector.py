@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_staged.model.dflash2 import CandidateSelector
+from dflash_staged.model.drafters.dflash2.modules import CandidateSelector
 from dflash_staged.train.objective.head import HeadRows, top_values
 
 

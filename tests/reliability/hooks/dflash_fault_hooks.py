@@ -295,7 +295,7 @@ _PATCHES = {
     "dflash_staged.manifest.postgres": (_patch_manifest_pg, _crashes),
     "dflash_staged.manifest.build": (_patch_manifest_build, _crashes),
     "dflash_staged.model.target": (_patch_target, lambda: "fake_target" in CFG),
-    "dflash_staged.model.target_taps": (_patch_target_taps, lambda: "forward_error" in CFG),
+    "dflash_staged.model.target.taps": (_patch_target_taps, lambda: "forward_error" in CFG),
     "dflash_staged.extract.worker": (_patch_extract_worker, lambda: "die_holding_status_lock" in CFG),
 }
 

@@ -31,7 +31,7 @@ def target_text_config(tcfg: TargetConfig, local_only: bool = False):
     ``local_only`` reads only local files and the hub cache (never the network).
     """
     if tcfg.model.startswith("tiny:"):
-        from dflash_staged.model.tiny import KINDS, tiny_config
+        from dflash_staged.model.target.tiny import KINDS, tiny_config
 
         kind = tcfg.model.split(":", 1)[1]
         if kind not in KINDS:

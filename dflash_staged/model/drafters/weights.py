@@ -17,7 +17,7 @@ Contract:
 * :func:`save_drafter` writes it with :func:`dflash_staged.fsutil.atomic_dir`: an existing
   checkpoint of the same name is replaced only after the new one is complete.
 * The target's frozen embedding and LM head are read by
-  :func:`dflash_staged.model.target_weights.load_embed_and_head`.
+  :func:`dflash_staged.model.target.weights.load_embed_and_head`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from dflash_staged.dtypes import torch_dtype
 from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import atomic_dir
-from dflash_staged.model.drafter import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -40,8 +40,12 @@ INDEX_NAME = "model.safetensors.index.json"
 
 # -- drafter checkpoints ---------------------------------------------------------------------------
 def drafter_state_dict(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The parameters under their reference names, cast to ``dtype``, contiguous, on CPU."""
-    return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
+    """The parameters (and a family's saved buffers) under their reference names, floating-point ones
+    cast to ``dtype``, contiguous, on CPU."""
+    return {
+        k: v.detach().to(device="cpu", dtype=dtype if v.is_floating_point() else v.dtype).contiguous()
+        for k, v in drafter.state_dict().items()
+    }
 
 
 def write_drafter_files(drafter: DFlashDrafter, dir: Path, dtype: str | None = None) -> None:

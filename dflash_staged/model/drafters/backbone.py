@@ -16,26 +16,26 @@ Contract (the trainer, the evaluator and :mod:`dflash_staged.weights` rely on it
   ``k_proj``/``v_proj`` of the fused context followed by those of the block;
   ``k_norm`` applies to both; queries come from the block only; RoPE uses
   absolute positions (context ``0..S-1``, block ``a..a+B-1``). Which keys a query
-  sees is the rule in :mod:`dflash_staged.model.block_attention`: in a
+  sees is the rule in :mod:`dflash_staged.model.drafters.attention`: in a
   ``full_attention`` layer the context strictly before the anchor (``0..a-1``) and
   its block; in a ``sliding_attention`` layer (``layer_types``, ``sliding_window``) a window;
   causal or bidirectional within the block per layer (``is_causal``); blocks never see each
   other. The context never enters the residual stream.
 * **DFlash2** (``architecture == "dflash2"``): every layer wraps its attention and MLP in the
   in-block convolutions and the drafter has a ``candidate_selector``
-  (:mod:`dflash_staged.model.dflash2`); :attr:`DFlashDrafter.selector` is None for DFlash.
+  (:mod:`dflash_staged.model.drafters.dflash2.modules`); :attr:`DFlashDrafter.selector` is None for DFlash.
   :meth:`DFlashDrafter.logits` applies the target's logit scaling (``output_multiplier``,
   ``final_logit_softcapping``) for either architecture.
 * **Code paths, one function.** :meth:`DFlashDrafter.forward_train` runs many
   anchors of many packed sequences in one pass, with block-sparse ``flex_attention``
-  (:mod:`~dflash_staged.model.flex_blocks`, CUDA) or SDPA with dense masks
-  (:class:`~dflash_staged.model.block_attention.SdpaBlocks`);
+  (:mod:`~dflash_staged.model.drafters.flex`, CUDA) or SDPA with dense masks
+  (:class:`~dflash_staged.model.drafters.attention.SdpaBlocks`);
   :meth:`DFlashDrafter.draft_block` runs one block against a context cut at its
   anchor, as the reference does at inference, from a :class:`DraftCache` of the
   context's keys/values that decoding extends and crops as the reference's draft
   ``DynamicCache``. They agree to fp32 rounding.
 * **Checkpoint.** :class:`DraftModelConfig` is the reference ``config.json``
-  (z-lab ``DFlashDraftModel``, in :mod:`dflash_staged.model.config_json`); parameter
+  (z-lab ``DFlashDraftModel``, in :mod:`dflash_staged.model.drafters.config`); parameter
   names are those of the reference (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``,
   ``hidden_norm.weight``, ``norm.weight``, ...). Save/load lives in :mod:`dflash_staged.weights`.
 * **Precision.** Parameters are created in fp32. On CUDA the trainer runs the
@@ -53,43 +53,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_staged.errors import DflashError
-from dflash_staged.model.block_attention import Packing, SdpaBlocks, block_visible, context_visible, sdpa
-from dflash_staged.model.config_json import ARCHITECTURE, SLIDING, DraftModelConfig  # noqa: F401 (re-export)
-from dflash_staged.model.dflash2 import CandidateSelector, GroupedConv, transform_logits
-
-
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE (half-split convention). x [..., heads, hd]; cos/sin [..., hd]."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+from dflash_staged.model.drafters.attention import Packing, SdpaBlocks, block_visible, context_visible, sdpa
+from dflash_staged.model.drafters.config import (  # noqa: F401 (re-export)
+    ARCHITECTURE,
+    SLIDING,
+    DraftModelConfig,
+)
+from dflash_staged.model.drafters.layers import RMSNorm, SwiGLU, rotate, transform_logits
 
 
 class Attention(nn.Module):
@@ -109,10 +79,10 @@ class Attention(nn.Module):
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys (k_norm + RoPE) and values of ``x [..., S, H]`` -> two ``[..., S, nkv, hd]``."""
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.nkv, self.hd)))
-        return _rotate(k, cos, sin), self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+        return rotate(k, cos, sin), self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return _rotate(self.q_norm(self.q_proj(x).unflatten(-1, (self.nh, self.hd))), cos, sin)
+        return rotate(self.q_norm(self.q_proj(x).unflatten(-1, (self.nh, self.hd))), cos, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -122,11 +92,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if c.architecture == "dflash2":
-            self.attention_conv = GroupedConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
-            self.mlp_conv = GroupedConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
-        else:
-            self.attention_conv = self.mlp_conv = None
+        self.attention_conv = self.mlp_conv = None  # a family's in-block convolutions (DFlash2)
+        c.family.build_layer(self, c)
 
     def forward(self, x: torch.Tensor, attend) -> torch.Tensor:
         """``attend(attn, h) -> [..., B, nh*hd]`` supplies the context keys and the mask; ``x [..., B, H]``
@@ -181,11 +148,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.fc = nn.Linear(len(c.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
-        self.candidate_selector = (
-            CandidateSelector(V, H, c.selector_rank, c.selector_top_k)
-            if c.architecture == "dflash2"
-            else None
-        )
+        self.family = c.family
+        self.family.build(self)
         self.register_buffer("embed_weight", embed_weight.detach()[:V], persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach()[:V], persistent=False)
         inv_freq, self.rope_scale = self._rope_init(c)
@@ -205,21 +169,32 @@ class DFlashDrafter(nn.Module):
         return inv_freq.float(), float(scale)
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Reference (Qwen3PreTrainedModel) init: N(0, 0.02) linear weights, unit norm weights; then
-        DFlash2's modules their own (identity convolutions, a selector that picks the unary argmax)."""
+        """Reference (Qwen3PreTrainedModel) init: N(0, 0.02) linear weights (zero biases), unit norm
+        weights; then the family's modules their own (DFlash2: identity convolutions, a selector that
+        picks the unary argmax)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
-        for m in self.modules():
-            if isinstance(m, (GroupedConv, CandidateSelector)):
-                m.reset_parameters()
+        self.family.reset_parameters(self)
 
     @property
-    def selector(self) -> CandidateSelector | None:
-        """DFlash2's candidate selector (None for DFlash)."""
-        return self.candidate_selector
+    def selector(self):
+        """DFlash2's candidate selector (None for other families)."""
+        return getattr(self, "candidate_selector", None)
+
+    @property
+    def first_row(self) -> int:
+        """The block row of the first proposal (the family's layout)."""
+        return self.family.first_row
+
+    @property
+    def proposals(self) -> int:
+        """Proposals a block makes: ``B - 1`` (DFlash: the anchor row predicts nothing) or ``B``."""
+        return self.family.proposals(self.block_size)
 
     # -- shared pieces -------------------------------------------------------------------------
     @property
@@ -280,9 +255,12 @@ class DFlashDrafter(nn.Module):
         cache: DraftCache | None = None,
         return_hidden: bool = False,
         size: int | None = None,
+        state: dict | None = None,
     ):
-        """Logits ``[B-1, V]`` for block offsets 1..B-1 of one anchor (with ``return_hidden``, also
-        their final-normed states ``[B-1, H]``, which DFlash2's selector needs). ``size`` (2..B) runs a
+        """Logits ``[P, V]`` of the block's proposal rows (rows ``first_row..B-1``: ``P = B-1`` for
+        DFlash, ``B`` for DSpark) of one anchor (with ``return_hidden``, also their final-normed states
+        ``[P, H]``, which a family's walk needs; ``state``: the family's per-layer hook reads and records
+        there, see :mod:`~dflash_staged.model.drafters.family`). ``size`` (2..B) runs a
         shorter block, ``[anchor, MASK x (size-1)]``, as the reference drafts the last block before
         ``max_new_tokens``: with bidirectional attention its drafts differ from the full block's.
 
@@ -328,9 +306,11 @@ class DFlashDrafter(nn.Module):
         if not cache.k:  # no context at all: empty per-layer caches
             cache.k = [x.new_zeros(0, self.dcfg.num_key_value_heads, self.dcfg.head_dim) for _ in self.layers]
             cache.v = [t.clone() for t in cache.k]
-        for layer in self.layers:
-            x = layer(x, attend)
-        h = self.norm(x)[1:]
+        state = {} if state is None else state
+        state.setdefault("block_tokens", torch.cat([tok, tok.new_full((B - 1,), self.mask_token_id)]))
+        for i, layer in enumerate(self.layers):
+            x = self.family.after_layer(self, i, layer(x, attend), state)
+        h = self.norm(x)[self.first_row :]
         return (self.logits(h), h) if return_hidden else self.logits(h)
 
     # -- training: many anchors of many packed sequences in one pass ---------------------------
@@ -341,6 +321,7 @@ class DFlashDrafter(nn.Module):
         cu_seqlens: torch.Tensor,
         anchors: torch.Tensor,
         attention: str | Callable = "sdpa",
+        state: dict | None = None,
     ) -> torch.Tensor:
         """Final-normed block states ``[A, B, H]`` for every anchor (LM head not applied).
 
@@ -348,8 +329,11 @@ class DFlashDrafter(nn.Module):
         ``cu_seqlens [N+1]``; ``anchors [A]`` are packed token indices, in any order.
         Row ``i`` of the result belongs to ``anchors[i]``. A block may run past the end
         of its sequence (its positions just have no label). ``attention``: ``"sdpa"``,
-        ``"flex"`` (see :func:`~dflash_staged.model.flex_blocks.resolve_attention`), or a
+        ``"flex"`` (see :func:`~dflash_staged.model.drafters.flex.resolve_attention`), or a
         callable ``(Packing, kinds) -> blocks`` (benchmarks). Two host syncs (sizes, chunk bounds).
+        ``state`` (a family's objective): its ``block_tokens [A, B]`` and ``replace [A]`` are in
+        ``anchors``' order; what the family's per-layer hook records under ``state["record"]`` (tensors,
+        or lists of them, with the anchors first) is returned in that order too.
         """
         dev = hidden.device
         A, B, T = anchors.shape[0], self.block_size, hidden.shape[0]
@@ -364,7 +348,7 @@ class DFlashDrafter(nn.Module):
         if callable(attention):
             blocks = attention(pk, kinds)
         elif attention == "flex":
-            from dflash_staged.model.flex_blocks import FlexBlocks
+            from dflash_staged.model.drafters.flex import FlexBlocks
 
             blocks = FlexBlocks(pk, kinds)
         elif attention == "sdpa":
@@ -377,8 +361,16 @@ class DFlashDrafter(nn.Module):
             k_b, v_b = attn.kv(h, cos_b, sin_b)  # [A, B, nkv, hd]
             return blocks(attn.q(h, cos_b, sin_b), k_c, v_c, k_b, v_b, attn.kind).flatten(-2)
 
+        state = {} if state is None else state
+        for k in ("block_tokens", "replace"):
+            if state.get(k) is not None:
+                state[k] = state[k].to(dev)[pk.perm]
+        record = state.setdefault("record", {})
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = checkpoint(layer, x, attend, use_reentrant=False) if recompute else layer(x, attend)
-        out = self.norm(x)
-        return out[torch.argsort(pk.perm)]
+            x = self.family.after_layer(self, i, x, state)
+        back = torch.argsort(pk.perm)
+        for k, v in record.items():
+            record[k] = [t[back] for t in v] if isinstance(v, list) else v[back]
+        return self.norm(x)[back]

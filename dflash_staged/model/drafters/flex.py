@@ -2,7 +2,7 @@
 
 * **Layout.** One row of queries, every anchor's block (anchors sorted, ``B`` queries each),
   against one row of keys: the packed context of every sequence, then the blocks. The
-  ``mask_mod`` is :mod:`dflash_staged.model.block_attention`'s rule plus "same sequence";
+  ``mask_mod`` is :mod:`dflash_staged.model.drafters.attention`'s rule plus "same sequence";
   padding sees nothing and is seen by nothing. ``flex_attention`` skips every 128x128 tile
   the mask leaves empty, so the work follows what each anchor can see (context before it,
   its own block) instead of the padded whole.
@@ -35,7 +35,7 @@ import torch
 
 from dflash_staged.config import ATTENTION_CHOICES
 from dflash_staged.errors import DflashError
-from dflash_staged.model.block_attention import Packing, block_visible, context_visible
+from dflash_staged.model.drafters.attention import Packing, block_visible, context_visible
 
 MIN_BUCKET = 128
 QUERY_SPAN = 4  # block rows are padded to at least the padded context / 2**QUERY_SPAN
@@ -204,7 +204,7 @@ class FlexBlocks:
         return tiles * m.BLOCK_SIZE[0] * m.BLOCK_SIZE[1]
 
     def __call__(self, q, k_c, v_c, k_b, v_b, kind: tuple[int, bool]) -> torch.Tensor:
-        """Same contract as :class:`~dflash_staged.model.block_attention.SdpaBlocks`."""
+        """Same contract as :class:`~dflash_staged.model.drafters.attention.SdpaBlocks`."""
         pk = self.pk
 
         def rows(t: torch.Tensor, n: int) -> torch.Tensor:  # [L, heads, hd] -> [1, heads, n, hd], zero padded

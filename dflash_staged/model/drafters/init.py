@@ -28,7 +28,7 @@ import re
 import torch
 
 from dflash_staged.errors import DflashError
-from dflash_staged.model.target_weights import ZERO_CENTRED_NORMS, open_target_tensors
+from dflash_staged.model.target.weights import ZERO_CENTRED_NORMS, open_target_tensors
 
 _LAYER = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.q_proj\.weight$")
 

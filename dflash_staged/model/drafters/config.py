@@ -9,12 +9,14 @@ top level, ``dflash_config: {block_size, mask_token_id, target_layer_ids}``,
 drops ``sliding_window`` otherwise), ``dtype`` (the dtype of the stored weights), and
 RoPE in both spellings (``rope_theta``/``rope_scaling`` for transformers 4.x and MLX,
 ``rope_parameters`` for transformers 5 and vLLM). What a sliding layer attends to is
-written in :mod:`dflash_staged.model.block_attention`; a top-level ``is_causal`` is written
+written in :mod:`dflash_staged.model.drafters.attention`; a top-level ``is_causal`` is written
 whenever it is set (the reference and SGLang then apply it to every layer).
 
-A DFlash2 drafter (``architecture="dflash2"``) is ``architectures: ["DFlash2DraftModel"]``
-with ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` in
-``dflash_config`` (z-lab's released ``Qwen3.8-27B-DFlash2`` layout); ``output_multiplier``,
+Another family (``architecture``, :mod:`dflash_staged.model.drafters.registry`) names its own
+``architectures`` and adds its fields (:meth:`~dflash_staged.model.drafters.family.Family.write_config`;
+DFlash2: ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` in
+``dflash_config``, z-lab's released ``Qwen3.8-27B-DFlash2`` layout); ``options`` holds the settings of a
+family beyond DFlash2 (``[drafter.options]``), checked by the family. ``output_multiplier``,
 ``final_logit_softcapping`` and ``input_embedding_scale`` (the block's input embeddings are multiplied
 by it) go there too, for either architecture, when they are set. :meth:`DraftModelConfig.from_dict`
 reads ours and the released drafters' files, and these fields as the reference does: from
@@ -29,10 +31,10 @@ from typing import Any
 
 from dflash_staged.config import FULL, SLIDING, check_layer_types
 from dflash_staged.errors import DflashError
+from dflash_staged.model.drafters.registry import FAMILIES, family, family_of
 
 ARCHITECTURE = "DFlashDraftModel"
-ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+ARCHITECTURES = {name: f.architecture for name, f in FAMILIES.items()}
 
 
 @dataclass
@@ -59,7 +61,7 @@ class DraftModelConfig:
     layer_types: list[str] = field(default_factory=list)  # empty = every layer full_attention
     sliding_window: int | None = None  # positions a sliding_attention layer sees, its own included
     is_causal: bool | None = None  # None = sliding layers causal, full layers bidirectional
-    architecture: str = "dflash"  # a key of ARCHITECTURES
+    architecture: str = "dflash"  # a family of dflash_staged.model.drafters.registry
     conv_kernel_size: int = 2
     conv_group_size: int = 16
     selector_rank: int = 256
@@ -67,6 +69,7 @@ class DraftModelConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None  # None or 0 = no softcapping
     input_embedding_scale: float = 1.0  # the block's input embeddings are multiplied by it
+    options: dict[str, Any] = field(default_factory=dict)  # the family's own settings (its defaults filled)
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on round trip
 
     def __post_init__(self) -> None:
@@ -106,24 +109,13 @@ class DraftModelConfig:
             self.dtype in ("float32", "bfloat16", "float16"),
             f"dtype={self.dtype!r}: use float32, bfloat16 or float16",
         )
-        need(
-            self.architecture in ARCHITECTURES,
-            f"architecture={self.architecture!r} is not one of {sorted(ARCHITECTURES)}",
-        )
-        if self.architecture == "dflash2":
+        fam = self.family
+        if fam.forced_causal is not None:
             need(
-                1 <= self.conv_kernel_size <= self.block_size,
-                f"conv_kernel_size={self.conv_kernel_size} must lie in 1..block_size={self.block_size}",
+                self.is_causal in (None, fam.forced_causal),
+                f"is_causal={self.is_causal}: a {fam.name} drafter has is_causal={fam.forced_causal}",
             )
-            need(
-                self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
-                f"conv_group_size={self.conv_group_size} must divide hidden_size={self.hidden_size}",
-            )
-            need(self.selector_rank >= 1, f"selector_rank={self.selector_rank} must be >= 1")
-            need(
-                1 <= self.selector_top_k <= self.vocab_size,
-                f"selector_top_k={self.selector_top_k} must lie in 1..vocab_size={self.vocab_size}",
-            )
+            self.is_causal = fam.forced_causal
         need(self.output_multiplier > 0, f"output_multiplier={self.output_multiplier} must be > 0")
         need(
             self.final_logit_softcapping is None or float(self.final_logit_softcapping) >= 0,
@@ -139,6 +131,12 @@ class DraftModelConfig:
         need(why is None, why or "")
         if SLIDING not in self.layer_types:
             self.sliding_window = None
+        self.options = fam.options(self.options, self)
+
+    @property
+    def family(self):
+        """The drafter family (:mod:`dflash_staged.model.drafters.registry`)."""
+        return family(self.architecture)
 
     @property
     def use_sliding_window(self) -> bool:
@@ -193,6 +191,7 @@ class DraftModelConfig:
             output_multiplier=d.output_multiplier,
             final_logit_softcapping=d.final_logit_softcapping or None,
             input_embedding_scale=d.input_embedding_scale,
+            options=dict(d.options),
         )
 
     @property
@@ -216,8 +215,7 @@ class DraftModelConfig:
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": list(self.target_layer_ids),
         }
-        if self.architecture == "dflash2":
-            dflash.update({k: getattr(self, k) for k in DFLASH2_FIELDS})
+        fam = self.family
         if self.output_multiplier != 1.0:
             dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping:
@@ -228,7 +226,7 @@ class DraftModelConfig:
             d["is_causal"] = self.is_causal
         d.update(
             {
-                "architectures": [ARCHITECTURES[self.architecture]],
+                "architectures": [fam.architecture],
                 "model_type": "qwen3",
                 "attention_bias": False,
                 "attention_dropout": 0.0,
@@ -258,6 +256,7 @@ class DraftModelConfig:
                 "vocab_size": self.vocab_size,
             }
         )
+        fam.write_config(self, d, dflash)
         return d
 
     def to_json(self) -> str:
@@ -266,19 +265,10 @@ class DraftModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> DraftModelConfig:
         """Parse a reference ``config.json`` (ours or a released z-lab drafter)."""
-        arch = d.get("architectures") or []
-        kind = next((k for k, name in ARCHITECTURES.items() if name in arch), None)
-        if kind is None:
-            raise DflashError(
-                f"{source}: architectures={arch} is not a DFlash drafter; expected "
-                f'["{ARCHITECTURE}"] or ["{ARCHITECTURES["dflash2"]}"]'
-            )
+        fam = family_of(d.get("architectures"), source)
+        d = dict(d)  # the family may fill dflash_config from its own fields
+        own = fam.read_config(d, source)
         dfl = d.get("dflash_config") or {}
-        v2 = {k: int(dfl[k]) for k in DFLASH2_FIELDS if k in dfl}
-        if kind == "dflash2" and len(v2) < len(DFLASH2_FIELDS):
-            raise DflashError(
-                f"{source}: a DFlash2DraftModel needs {', '.join(DFLASH2_FIELDS)} in dflash_config"
-            )
         causal = d.get("is_causal")
         types = list(d.get("layer_types") or [])
         window = d.get("sliding_window")
@@ -307,8 +297,7 @@ class DraftModelConfig:
             block = d.get("block_size", dfl.get("block_size"))
             if block is None:
                 raise KeyError("block_size")
-            known = set(cls.__dataclass_fields__) | set(cls(**_TEMPLATE).to_dict()) | {"is_causal"}
-            return cls(
+            out = cls(
                 hidden_size=int(d["hidden_size"]),
                 intermediate_size=int(d["intermediate_size"]),
                 num_hidden_layers=int(d["num_hidden_layers"]),
@@ -329,17 +318,19 @@ class DraftModelConfig:
                 layer_types=types,
                 sliding_window=int(window) if SLIDING in types else None,
                 is_causal=None if causal is None else bool(causal),
-                architecture=kind,
-                **v2,
+                architecture=fam.name,
+                **own,
                 output_multiplier=float(_draft_value(d, "output_multiplier", 1.0)),
                 final_logit_softcapping=_draft_value(d, "final_logit_softcapping"),
                 input_embedding_scale=float(_draft_value(d, "input_embedding_scale", 1.0)),
-                extra={k: v for k, v in d.items() if k not in known and k != "torch_dtype"},
             )
         except KeyError as e:
             raise DflashError(
                 f"{source}: missing field {e.args[0]!r}; this is not a complete DFlash drafter config"
             ) from None
+        known = set(cls.__dataclass_fields__) | set(out.to_dict()) | {"is_causal", "torch_dtype"}
+        out.extra = {k: v for k, v in d.items() if k not in known}
+        return out
 
     @classmethod
     def from_json(cls, text: str, source: str = "config.json") -> DraftModelConfig:

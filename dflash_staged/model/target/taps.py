@@ -15,8 +15,8 @@ import torch
 
 from dflash_staged.config import TargetConfig, dflash_target_layers
 from dflash_staged.errors import DflashError
-from dflash_staged.model.dims import text_config
-from dflash_staged.model.preflight import is_hybrid_config
+from dflash_staged.model.target.dims import text_config
+from dflash_staged.model.target.preflight import is_hybrid_config
 
 # Candidate locations of the decoder layer list, most common first.
 _LAYER_PATHS = (

@@ -17,7 +17,7 @@ Contract (extract workers, the shard store, the trainer and ``dflash eval`` rely
   output of the **last decoder layer** (before the final norm) as one more slice
   at the end of the K axis (``Target.stored_ids`` = the taps + that layer): the
   trainer recomputes the target's logits from it with the target's final norm and
-  head (:mod:`dflash_staged.model.target_weights`).
+  head (:mod:`dflash_staged.model.target.weights`).
 * The forward stops right after the deepest stored layer: later layers, the
   final norm and the LM head never run. ``output_hidden_states`` is never used.
 * :meth:`Target.forward_with_taps` runs the full model (logits + the same taps)
@@ -29,16 +29,16 @@ Contract (extract workers, the shard store, the trainer and ``dflash eval`` rely
   architecture config; dtype and attention implementation are not part of it.
 
 Import these names from here (the fault-injection tests replace ``load_target`` in this module).
-The code is in :mod:`~dflash_staged.model.target_taps` (tapped layers, capture, the full forward,
-:func:`crop_cache`), :mod:`~dflash_staged.model.target_load` (loading, ``target_id``, tokenizer,
-stop tokens) and :mod:`~dflash_staged.model.padding` (:func:`pad_batch`, :func:`pack_unpadded`).
+The code is in :mod:`~dflash_staged.model.target.taps` (tapped layers, capture, the full forward,
+:func:`crop_cache`), :mod:`~dflash_staged.model.target.load` (loading, ``target_id``, tokenizer,
+stop tokens) and :mod:`~dflash_staged.model.target.padding` (:func:`pad_batch`, :func:`pack_unpadded`).
 """
 
 from dflash_staged.dtypes import resolve_dtype
-from dflash_staged.model.padding import pack_unpadded, pad_batch
-from dflash_staged.model.preflight import KernelPreflightError, preflight_kernels
-from dflash_staged.model.target_load import load_target, load_tokenizer, stop_token_ids
-from dflash_staged.model.target_taps import Target, crop_cache, resolve_layer_ids
+from dflash_staged.model.target.load import load_target, load_tokenizer, stop_token_ids
+from dflash_staged.model.target.padding import pack_unpadded, pad_batch
+from dflash_staged.model.target.preflight import KernelPreflightError, preflight_kernels
+from dflash_staged.model.target.taps import Target, crop_cache, resolve_layer_ids
 
 __all__ = [
     "Target",

@@ -41,7 +41,7 @@ from __future__ import annotations
 import importlib.util
 
 from dflash_staged.errors import DflashError
-from dflash_staged.model.dims import text_config
+from dflash_staged.model.target.dims import text_config
 
 
 def _heads(model_config) -> dict[str, int]:

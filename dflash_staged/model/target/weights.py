@@ -161,7 +161,7 @@ def open_target_tensors(target_cfg) -> TargetTensors:
     """The target's tensors, from wherever ``[target]`` says it is (see the module docstring)."""
     model = target_cfg.model
     if model.startswith("tiny:"):
-        from dflash_staged.model.tiny import build_tiny_model, tiny_config
+        from dflash_staged.model.target.tiny import build_tiny_model, tiny_config
 
         kind = model.split(":", 1)[1]
         state = {k: v.detach() for k, v in build_tiny_model(kind, seed=target_cfg.seed).state_dict().items()}

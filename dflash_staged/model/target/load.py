@@ -2,7 +2,7 @@
 (``target_id``), its tokenizer and the ids that end a generation.
 
 The contract (tapped layers, ``target_id``) is specified in :mod:`dflash_staged.model.target`;
-tensor-parallel loading in :mod:`dflash_staged.model.parallel`.
+tensor-parallel loading in :mod:`dflash_staged.model.target.parallel`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 from dflash_staged.config import TargetConfig
 from dflash_staged.dtypes import resolve_dtype
 from dflash_staged.errors import DflashError
-from dflash_staged.model.dims import text_config
-from dflash_staged.model.preflight import preflight_kernels
-from dflash_staged.model.target_taps import Target, resolve_layer_ids
+from dflash_staged.model.target.dims import text_config
+from dflash_staged.model.target.preflight import preflight_kernels
+from dflash_staged.model.target.taps import Target, resolve_layer_ids
 
 # Config keys that do not change the computation, left out of target_id.
 _VOLATILE_KEYS = {
@@ -85,7 +85,7 @@ def _is_tiny(cfg: TargetConfig) -> bool:
 
 
 def _tiny_kind(cfg: TargetConfig) -> str:
-    from dflash_staged.model.tiny import KINDS
+    from dflash_staged.model.target.tiny import KINDS
 
     kind = cfg.model.split(":", 1)[1]
     if kind not in KINDS:
@@ -120,15 +120,15 @@ def load_target(
 
     ``layer_ids`` overrides the tapped layers; otherwise :func:`resolve_layer_ids`
     picks them from ``cfg`` and ``num_draft_layers``. ``tp > 1`` loads this process's
-    slice of a tensor-parallel target (contract: :mod:`dflash_staged.model.parallel`).
+    slice of a tensor-parallel target (contract: :mod:`dflash_staged.model.target.parallel`).
     """
-    from dflash_staged.model.parallel import check_sharded, check_tp, shard_built_model, tp_kwargs
+    from dflash_staged.model.target.parallel import check_sharded, check_tp, shard_built_model, tp_kwargs
 
     device = torch.device(device)
     dtype = resolve_dtype(cfg.dtype, device)
     what = f"target.model={cfg.model!r}"
     if _is_tiny(cfg):
-        from dflash_staged.model.tiny import build_tiny_model, tiny_config
+        from dflash_staged.model.target.tiny import build_tiny_model, tiny_config
 
         kind = _tiny_kind(cfg)
         model_config = tiny_config(kind)
@@ -177,7 +177,7 @@ def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer: the tiny BPE for ``tiny:*``, else AutoTokenizer from tokenizer or model."""
     if _is_tiny(cfg):
         _tiny_kind(cfg)
-        from dflash_staged.model.tiny import build_tiny_tokenizer
+        from dflash_staged.model.target.tiny import build_tiny_tokenizer
 
         return build_tiny_tokenizer()
     from transformers import AutoTokenizer

@@ -147,10 +147,3 @@ class CandidateSelector(nn.Module):
             tokens.append(prev)
             probs.append(q)
         return torch.stack(tokens, -1), cand, torch.stack(probs, -2)
-
-
-def transform_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
-    """The target's logit scaling: ``s * tanh(m * logits / s)`` with a softcap ``s``, else ``m * logits``."""
-    if softcap:
-        return softcap * torch.tanh(logits * (multiplier / softcap))
-    return logits * multiplier if multiplier != 1.0 else logits

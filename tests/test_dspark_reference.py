@@ -1,0 +1,225 @@
+"""DSpark against DeepSpec's own code (``deepseek-ai/DeepSpec``; skipped unless ``DSPARK_REFERENCE_DIR``
+names a local checkout, see ``tests/refload.py``): our checkpoint loaded by its ``Qwen3DSparkModel``
+with no unexpected key (the target's embedding and head it copies from the target, as its trainer
+does); the training forward's logits and confidences, ``compute_dspark_loss`` and every gradient to
+float32 rounding; and greedy decoding token for token and step for step against its evaluation loop
+(``generate_decoding_sample`` with its DSpark proposal), with and without the confidence schedule."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_staged.config import TargetConfig, load_config
+from dflash_staged.evaluate.speculative import DrafterProposer, speculative_generate
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafters.dspark.objective import dspark_objective
+from dflash_staged.model.drafters.family import FamilyBatch
+from dflash_staged.model.drafters.weights import load_drafter, save_drafter
+from dflash_staged.model.target.tiny import MASK
+from dflash_staged.model.target.weights import FinalNorm, load_embed_and_head
+from dflash_staged.train.objective import sample_anchors
+
+from refload import DSPARK_REF, deepspec
+
+pytestmark = pytest.mark.skipif(not DSPARK_REF, reason="set DSPARK_REFERENCE_DIR to a DeepSpec checkout")
+B = 7
+
+
+def pair(tmp_path, kind="vanilla", init=False):
+    """Our DSpark drafter for the tiny target and the same checkpoint in DeepSpec's class."""
+    cfg = load_config("configs/tiny.toml")
+    cfg.drafter.dtype, cfg.drafter.architecture, cfg.drafter.block_size = "float32", "dspark", B
+    cfg.drafter.options = {"markov_rank": 16, "markov_head_type": kind}
+    tcfg = TargetConfig(model="tiny:qwen3")
+    embed, head = load_embed_and_head(tcfg)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DraftModelConfig.from_config(cfg, 128, 2048, 6, [1, 3], MASK), embed, head)
+    if init:
+        from dflash_staged.model.drafters.init import init_from_target
+
+        init_from_target(d, tcfg)
+    with torch.no_grad():
+        d.markov_head.markov_w2.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    save_drafter(d, tmp_path / "ckpt")
+    ours = load_drafter(tmp_path / "ckpt", embed, head)
+    ds = deepspec()
+    ref, info = ds.modeling.Qwen3DSparkModel.from_pretrained(
+        tmp_path / "ckpt", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert set(info["missing_keys"]) == {"embed_tokens.weight", "lm_head.weight"}, info
+    ref.initialize_embeddings_and_head(
+        embed_tokens=torch.nn.Embedding.from_pretrained(embed), lm_head=_linear(head)
+    )
+    ref.config._attn_implementation = "sdpa"
+    assert (ref.block_size, ref.mask_token_id, list(ref.target_layer_ids)) == (B, MASK, [1, 3])
+    return ours, ref.eval(), ds
+
+
+def _linear(w):
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    return lin
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_forward_loss_and_gradients_equal_deepspec(tmp_path, monkeypatch, kind):
+    ours, ref, ds = pair(tmp_path, kind)
+    g = torch.Generator().manual_seed(3)
+    T, H = 60, 128
+    ids = torch.randint(4, 2048, (T,), generator=g)
+    mask = torch.ones(T)
+    mask[:6] = 0
+    mask[[20, 41]] = 0
+    taps, last = torch.randn(T, 2, H, generator=g), torch.randn(T, H, generator=g)
+    norm = FinalNorm(torch.rand(H, generator=g) + 0.5, 1e-6)
+    anchors = sample_anchors(mask, torch.tensor([0, T]), B, 6, torch.Generator().manual_seed(4))
+    keep = torch.ones(1, anchors.numel(), dtype=torch.bool)
+    monkeypatch.setattr(ds.modeling, "sample_anchor_positions", lambda **kw: (anchors[None], keep))
+    monkeypatch.setattr(
+        ds.modeling,
+        "create_dspark_attention_mask",
+        lambda **kw: ds.common.create_dspark_attention_mask(**kw, attn_implementation="sdpa"),
+    )
+    monkeypatch.setattr(ds.loss, "dist", types.SimpleNamespace(get_world_size=lambda: 1))
+    out = ref(ids[None], taps.reshape(1, T, -1), mask[None], norm(last)[None].detach())
+    ref_loss = ds.loss.compute_dspark_loss(
+        outputs=out, loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
+    )
+    fb = FamilyBatch(
+        ours, taps, ids, mask, torch.tensor([0, T]), anchors, last, norm, "sdpa", 0, 0, 64, None, 4.0
+    )
+    total, rows = dspark_objective(fb)
+    mine = total / rows.weight_sum
+    # the forward: the corrected logits and the confidences of every row, and which rows count
+    h = ours.forward_train(taps, ids, torch.tensor([0, T]), anchors)
+    prev = torch.cat(
+        [ids[anchors][:, None], ids[(anchors[:, None] + torch.arange(1, B)).clamp(max=T - 1)]], 1
+    )
+    m, e = ours.markov_head.latents(prev, h)
+    logits = h @ ours.lm_head_weight.T + ours.markov_head.bias(m)
+    valid = out.eval_mask[0]
+    d_logits = (logits - out.draft_logits[0]).abs()[valid].max()
+    d_conf = (ours.confidence_head(torch.cat([h, e], -1)) - out.confidence_pred[0]).abs()[valid].max()
+    assert torch.equal(rows.valid, valid)
+    torch.testing.assert_close(logits[valid], out.draft_logits[0][valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine, ref_loss, rtol=1e-5, atol=1e-6)
+    mine.backward()
+    ref_loss.backward()
+    grads = dict(ref.named_parameters())
+    worst = 0.0
+    for n, p in ours.named_parameters():
+        want = grads[n].grad
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=n)
+        worst = max(worst, float((p.grad - want).abs().max()))
+    print(
+        f"dspark {kind} vs DeepSpec: max |logit diff| {float(d_logits):.2e}, |confidence diff| "
+        f"{float(d_conf):.2e}, loss {float(mine):.6f} vs {float(ref_loss):.6f}, max |grad diff| {worst:.2e}"
+    )
+
+
+def legacy_crop(monkeypatch):
+    """DeepSpec calls ``DynamicCache.crop(n)`` to keep ``n`` tokens (transformers 4.x); this transformers
+    takes a negative count of tokens to remove: translate, for the reference's calls only."""
+    from transformers import DynamicCache
+
+    crop = DynamicCache.crop
+
+    def keep(self, n):
+        if n >= 0:
+            n = -(self.get_seq_length() - n)
+            if n == 0:
+                return
+        crop(self, n)
+
+    monkeypatch.setattr(DynamicCache, "crop", keep)
+
+
+def reference_decode(ds, ref, target, prompt, max_new, threshold):
+    """DeepSpec's evaluation loop for one prompt, with its Qwen3 DSpark evaluator's three callbacks."""
+    from transformers import DynamicCache
+
+    def init_context(*, initial_output, **_):
+        feats = ds.common.extract_context_feature(initial_output.hidden_states, ref.target_layer_ids)
+        return types.SimpleNamespace(past_key_values_draft=DynamicCache(), target_hidden_states=feats)
+
+    def propose(*, context, output_ids, position_ids, start, stop_token_ids=None):
+        draft_ids = torch.full((1, B), int(ref.mask_token_id), dtype=torch.long)
+        draft_ids[:, 0] = output_ids[:, start]
+        hidden = ds.ops.forward_dspark_draft_block(
+            ref,
+            draft_input_ids=draft_ids,
+            position_ids=position_ids,
+            past_key_values_draft=context.past_key_values_draft,
+            target_hidden_states=context.target_hidden_states,
+            start=start,
+            block_size=B,
+        )
+        return ds.ops.build_dspark_proposal(
+            ref, draft_input_ids=draft_ids, block_hidden=hidden, block_size=B, temperature=0.0,
+            confidence_threshold=threshold,
+        )  # fmt: skip
+
+    def update(context, verification):
+        feats = ds.common.extract_context_feature(
+            verification.target_output.hidden_states, ref.target_layer_ids
+        )
+        context.target_hidden_states = feats[:, : verification.accepted_draft_tokens + 1, :]
+
+    return ds.base.generate_decoding_sample(
+        target_model=target.model, input_ids=prompt[None], max_new_tokens=max_new, max_proposal_tokens=B,
+        temperature=0.0, stop_token_ids=None, init_context=init_context, propose=propose, update=update,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_greedy_decoding_equals_deepspecs_step_for_step(tmp_path, monkeypatch, threshold):
+    from dflash_staged.model.target import load_target
+
+    legacy_crop(monkeypatch)
+    ours, ref, ds = pair(tmp_path, "rnn", init=True)
+    target = load_target(TargetConfig(model="tiny:qwen3"), "cpu", layer_ids=[1, 3])
+    g = torch.Generator().manual_seed(8)
+    steps = differ = 0
+    for i in range(6):
+        prompt = torch.randint(4, 2048, (12 + 3 * i,), generator=g)
+        max_new = 33 + i
+        r = reference_decode(ds, ref, target, prompt, max_new, threshold)
+        mine = speculative_generate(
+            target, DrafterProposer(ours, confidence_threshold=threshold), prompt, max_new
+        )
+        theirs = r.output_ids[0, len(prompt) :].tolist()
+        assert mine.tokens == theirs[: len(mine.tokens)] and len(mine.tokens) == max_new
+        # every step but the last (ours never verifies past max_new_tokens; DeepSpec trims afterwards);
+        # the drafts verified wherever ours is not cut short by max_new_tokens (B or more to come)
+        assert mine.accepted[:-1] == r.acceptance_lengths[: len(mine.accepted) - 1]
+        left = [max_new - 1 - sum(mine.accepted[:k]) for k in range(len(mine.accepted))]
+        full = [k for k, n in enumerate(left) if n >= B]
+        assert [mine.verified[k] - 1 for k in full] == [r.proposal_lengths[k] for k in full]
+        steps += len(mine.accepted)
+        differ += sum(a != b for a, b in zip(mine.accepted, r.acceptance_lengths))
+    assert steps > 30
+    print(f"dspark greedy decode vs DeepSpec (threshold {threshold}): {steps} steps, {differ} differ (last)")
+
+
+def test_logits_of_a_block_equal_deepspecs_cached_block(tmp_path, monkeypatch):
+    legacy_crop(monkeypatch)
+    ours, ref, ds = pair(tmp_path, "gated")
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(5)
+    ctx = torch.randn(1, 19, 2 * 128, generator=g)
+    draft_ids = torch.full((1, B), MASK, dtype=torch.long)
+    draft_ids[0, 0] = 77
+    with torch.no_grad():
+        hidden = ds.ops.forward_dspark_draft_block(
+            ref, draft_input_ids=draft_ids, position_ids=torch.arange(40)[None],
+            past_key_values_draft=DynamicCache(), target_hidden_states=ctx, start=19, block_size=B,
+        )  # fmt: skip
+        logits, h = ours.draft_block(ctx[0].reshape(19, 2, 128), 77, return_hidden=True)
+    torch.testing.assert_close(h, hidden[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, F.linear(hidden[0], ref.lm_head.weight), rtol=1e-5, atol=1e-5)
