@@ -175,3 +175,43 @@ def test_eval_takes_the_reference_harnesss_steps_to_the_last_token(tmp_path, set
     finally:
         type(ref).compute_logits = real
     assert total > 0  # some drafts were accepted: the comparison is not between empty walks
+
+
+@needs_ref
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.95, 20)])
+def test_sampled_decoding_equals_the_reference_harness_with_matched_draws(
+    tmp_path, monkeypatch, architecture, top_p, top_k
+):
+    """At T = 1 both sides draw the same uniforms (tests/matched.py): the first token, each draft (v1:
+    from the filtered logits; DFlash2: its selector's walk), each verify's uniforms and its last token.
+    The same tokens and acceptance lengths at every verify step, not only the same distribution."""
+    import time
+
+    from matched import matched_draws
+
+    from dflash_staged.evaluate.sampling import Sampler, SamplingSettings
+    from dflash_staged.evaluate.speculative import DrafterProposer, speculative_generate
+
+    ref_mod = reference_module()
+    ref_mod._cuda_time = time.perf_counter
+    target, ours, ref = _reference_pair(tmp_path, ref_mod, is_causal=False, architecture=architecture)
+    sampler = Sampler(SamplingSettings(temperature=1.0, top_p=top_p, top_k=top_k))
+    g = torch.Generator().manual_seed(3)
+    steps = accepted = 0
+    for i, n in enumerate((6, 19, 33, 8, 25, 12)):
+        prompt = torch.randint(4, 1500, (n,), generator=g)
+        with matched_draws(100 + i, monkeypatch) as draws:
+            mine = speculative_generate(target, DrafterProposer(ours), prompt, 29, (), sampler=sampler)
+            used = draws.used
+        with matched_draws(100 + i, monkeypatch) as draws:
+            theirs = ref_mod.dflash_generate(
+                ref, target.model, prompt[None], 29, None, 1.0, top_p, top_k, return_stats=True
+            )
+            assert draws.used == used  # the same number of draws, in the same roles
+        assert mine.tokens == theirs.output_ids[0, n:].tolist(), (architecture, n)
+        assert mine.accepted == list(theirs.acceptance_lengths), (architecture, n)
+        steps += len(mine.accepted)
+        accepted += sum(a > 1 for a in mine.accepted)
+    assert accepted > 0  # drafts were accepted as well as rejected: both branches compared
+    print(f"{architecture} T=1 top-p {top_p} top-k {top_k}: {steps} sampled steps equal to z-lab's")

@@ -139,7 +139,7 @@ def legacy_crop(monkeypatch):
     monkeypatch.setattr(DynamicCache, "crop", keep)
 
 
-def reference_decode(ds, ref, target, prompt, max_new, threshold):
+def reference_decode(ds, ref, target, prompt, max_new, threshold, temperature=0.0):
     """DeepSpec's evaluation loop for one prompt, with its Qwen3 DSpark evaluator's three callbacks."""
     from transformers import DynamicCache
 
@@ -160,7 +160,7 @@ def reference_decode(ds, ref, target, prompt, max_new, threshold):
             block_size=B,
         )
         return ds.ops.build_dspark_proposal(
-            ref, draft_input_ids=draft_ids, block_hidden=hidden, block_size=B, temperature=0.0,
+            ref, draft_input_ids=draft_ids, block_hidden=hidden, block_size=B, temperature=temperature,
             confidence_threshold=threshold,
         )  # fmt: skip
 
@@ -172,7 +172,8 @@ def reference_decode(ds, ref, target, prompt, max_new, threshold):
 
     return ds.base.generate_decoding_sample(
         target_model=target.model, input_ids=prompt[None], max_new_tokens=max_new, max_proposal_tokens=B,
-        temperature=0.0, stop_token_ids=None, init_context=init_context, propose=propose, update=update,
+        temperature=temperature, stop_token_ids=None, init_context=init_context, propose=propose,
+        update=update,
     )  # fmt: skip
 
 
@@ -223,3 +224,44 @@ def test_logits_of_a_block_equal_deepspecs_cached_block(tmp_path, monkeypatch):
         logits, h = ours.draft_block(ctx[0].reshape(19, 2, 128), 77, return_hidden=True)
     torch.testing.assert_close(h, hidden[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, F.linear(hidden[0], ref.lm_head.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_sampled_decoding_equals_deepspecs_with_matched_draws(tmp_path, monkeypatch, threshold):
+    """At T = 1 both sides draw the same uniforms (tests/matched.py): the first token, each row's draft
+    through the Markov head, each verify's uniforms and its last token. Every step whose block ours
+    verifies whole (B or more tokens to come) equals DeepSpec's, tokens and acceptance lengths."""
+    from matched import matched_draws
+
+    from dflash_staged.evaluate.sampling import Sampler, SamplingSettings
+    from dflash_staged.model.target import load_target
+
+    legacy_crop(monkeypatch)
+    ours, ref, ds = pair(tmp_path, "vanilla", init=True)
+    target = load_target(TargetConfig(model="tiny:qwen3"), "cpu", layer_ids=[1, 3])
+    sampler = Sampler(SamplingSettings(temperature=1.0))
+    g = torch.Generator().manual_seed(9)
+    steps = accepted = 0
+    for i in range(6):
+        prompt = torch.randint(4, 2048, (10 + 4 * i,), generator=g)
+        max_new = 40
+        with matched_draws(200 + i, monkeypatch):
+            mine = speculative_generate(
+                target,
+                DrafterProposer(ours, confidence_threshold=threshold),
+                prompt,
+                max_new,
+                sampler=sampler,
+            )
+        with matched_draws(200 + i, monkeypatch):
+            r = reference_decode(ds, ref, target, prompt, max_new, threshold, temperature=1.0)
+        left = [max_new - 1 - sum(mine.accepted[:k]) for k in range(len(mine.accepted))]
+        full = [k for k, n in enumerate(left) if n > B]  # ours shortens the last blocks; draws part there
+        n_tok = 1 + sum(mine.accepted[k] for k in full)
+        assert mine.tokens[:n_tok] == r.output_ids[0, len(prompt) : len(prompt) + n_tok].tolist()
+        assert [mine.accepted[k] for k in full] == r.acceptance_lengths[: len(full)]
+        assert [mine.verified[k] - 1 for k in full] == r.proposal_lengths[: len(full)]
+        steps += len(full)
+        accepted += sum(mine.accepted[k] > 1 for k in full)
+    assert accepted > 0 and steps > 30
+    print(f"dspark T=1 (threshold {threshold}) vs DeepSpec with matched draws: {steps} steps equal")

@@ -138,6 +138,41 @@ def test_the_estimate_per_row_agrees_with_saved_tensors(geometry, arch):
     assert abs(measured - want) <= 0.2 * want, (measured, want)
 
 
+@pytest.mark.parametrize(
+    "arch,opts",
+    [
+        ("dspark", {"markov_rank": 64}),
+        ("dspark", {"markov_rank": 64, "markov_head_type": "rnn"}),
+        ("dspine", {"transfer_rank": 64, "message_size": 64}),
+    ],
+)
+@pytest.mark.parametrize("hidden", [256, 512])
+def test_a_family_objectives_bytes_a_row_agree_with_saved_tensors(arch, opts, hidden):
+    """DSpark's and DSpine's whole objective (backbone, heads, injection; their loss chunks are
+    recomputed in the backward, so only their inputs stay): the estimate a row within 20%."""
+    from dflash_staged.model.drafters.family import FamilyBatch
+    from dflash_staged.model.target.weights import FinalNorm
+
+    m = make_drafter(
+        2, hidden // 64, 2, B, 2, 0, 300, hidden, 3 * hidden, 64, "cpu", architecture=arch, options=opts
+    )
+    est = memory.estimate(m, TrainConfig(), torch.device("cpu"), target_logits=True)
+    b = shard([128] * 8, hidden=hidden)
+    norm = FinalNorm(torch.ones(hidden), 1e-6)
+
+    def run(k):
+        a = sample_anchors(b.loss_mask, b.cu_seqlens, B, k, torch.Generator())
+        fb = FamilyBatch(
+            m, b.hidden[:, :2], b.input_ids, b.loss_mask, b.cu_seqlens, a, b.hidden[:, 2], norm, "sdpa",
+            0, 100, 4096, torch.Generator(), 4.0,
+        )  # fmt: skip
+        return saved_bytes(lambda: m.family.objective(fb)), a.numel() * B
+
+    (n1, r1), (n2, r2) = run(16), run(64)
+    measured = (n2 - n1) / (r2 - r1)
+    assert abs(measured - est.per_row) <= 0.2 * est.per_row, (measured, est.per_row)
+
+
 def test_activation_checkpointing_keeps_less_and_changes_nothing():
     m, b = drafter(hidden=64, inter=128), shard([40, 24, 64], hidden=64)
 

@@ -19,10 +19,11 @@ Contract (the tests check it exactly on a toy vocabulary):
   ``min(1, p_k(d_k) / q_k(d_k))`` (:func:`acceptance_probs`), in order; at the first rejection the
   step's last token is drawn from ``normalize(max(0, p_k - q_k))`` (:func:`residual_probs`; from
   ``p_k`` when that is all zero, which only rounding can cause); if all ``n`` are accepted it is the
-  bonus, drawn from ``p_{n+1}``. The verify draws the number accepted and then that token from
-  this law written out (:func:`verify_law`), the same law as one uniform per draft. The committed
-  tokens are then distributed exactly as sampling the target token by token from ``p`` (Leviathan
-  et al. 2023; Chen et al. 2023), whatever ``q`` is.
+  bonus, drawn from ``p_{n+1}``. The verify draws ``n`` uniforms at once (draft ``k`` accepted while
+  ``u_k`` is below its acceptance probability) and then that token, as z-lab's and DeepSpec's harnesses
+  draw it, so the two can be fed the same draws and compared step by step; :func:`verify_law` writes
+  the law out. The committed tokens are then distributed exactly as sampling the target token by
+  token from ``p`` (Leviathan et al. 2023; Chen et al. 2023), whatever ``q`` is.
 * **Randomness** comes only from the sampler's ``torch.Generator`` per device, seeded by ``seed``
   (:meth:`Sampler.reseed`), so a run is reproducible on the same device, software and settings.
 * ``temperature == 0`` is greedy (argmax); ``top_p`` and ``top_k`` are then unused.
@@ -229,9 +230,21 @@ class Sampler:
     def verify(self, drafts: torch.Tensor, q, logits: torch.Tensor) -> tuple[int, int]:
         """Rejection sampling of ``n`` drafts against the target's ``logits [n+1, V]`` of the verified
         block ``[anchor, d_1 .. d_n]`` (row 0 predicts ``d_1``, row ``n`` the bonus): ``(a, token)``,
-        the number of drafts accepted and the step's last token (resampled or bonus)."""
+        the number of drafts accepted and the step's last token (resampled or bonus). As the
+        references draw it (z-lab's ``_rejection_sample``, DeepSpec's ``verify_draft_tokens``): ``n``
+        uniforms at once, draft ``k`` accepted while ``u_k < min(1, p_k(d_k) / q_k(d_k))``, then one
+        draw of the last token from the residual of the first rejected row or from ``p_n``; its law is
+        :func:`verify_law`'s."""
         n = drafts.numel()
         p = self.probs(logits[: n + 1])
-        stop, last = verify_law(p, q, drafts)
-        a = int(self.sample(stop[None])[0]) if n else 0
-        return a, int(self.sample(last[a : a + 1])[0])
+        if n == 0:
+            return 0, int(self.sample(p[:1])[0])
+        acc = acceptance_probs(p, q, drafts)
+        u = torch.rand(n, generator=self.generator(p.device), device=p.device)
+        a = int((u.to(acc) < acc).long().cumprod(0).sum())
+        last = (
+            p[n : n + 1]
+            if a == n
+            else residual_probs(p[a : a + 1], dense_q(proposal_rows(q, a + 1), p.shape[-1])[a:])
+        )
+        return a, int(self.sample(last)[0])

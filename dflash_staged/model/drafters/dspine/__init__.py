@@ -118,12 +118,11 @@ class DSpine(Family):
         return out
 
     def memory(self, dcfg, opts, checkpointing, act):
-        """The transfer codes (fp32, fixed); a row: each layer's feature and the injection's message and
-        gate, the last layer's rows before injection, and the refinement's candidate head rows,
-        scores and refined state."""
-        r, m, k, H, L = opts["transfer_rank"], opts["message_size"], opts["top_k"], dcfg.hidden_size, 0
-        L = dcfg.num_hidden_layers
-        per_row = (L * (2 * r + 3 * m + H) + H) * act + (k * H + 3 * k + 2 * H) * 4
+        """The transfer codes (fp32, fixed); a row: each layer's features, the injection's message and
+        gate and its input, the last layer's rows before injection and the refined state (the
+        refinement's candidate head rows live in the loss chunk, recomputed in the backward)."""
+        r, m, H, L = opts["transfer_rank"], opts["message_size"], dcfg.hidden_size, dcfg.num_hidden_layers
+        per_row = (L * (2 * r + 3 * m + H) + H) * act + 2 * H * 4
         return dcfg.vocab_size * r * 4, per_row
 
 
