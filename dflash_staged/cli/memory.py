@@ -18,8 +18,9 @@ from dflash_staged.errors import user_errors
     default=None,
     help="LAYERS,HIDDEN,VOCAB of the target when its config is not on this machine (e.g. 36,4096,151936).",
 )
+@click.option("--set", "sets", multiple=True, help="SECTION.KEY=VALUE over the config (any section).")
 @user_errors
-def memory_cmd(config_path, device_gib, target_dims):
+def memory_cmd(config_path, device_gib, target_dims, sets):
     """Estimated peak of one training rank on a CUDA device of --device-gib (bf16), for the config's
     drafter family and [train] settings: weights, a drafter row, context, loss chunk; and the row budget."""
     import torch
@@ -30,6 +31,12 @@ def memory_cmd(config_path, device_gib, target_dims):
     from dflash_staged.train.memory import estimate, row_budget
 
     cfg = load_config(config_path)
+    if sets:
+        from dflash_staged.config import apply_overrides
+        from dflash_staged.config.overrides import parse_sets
+
+        every = {section: set(values) for section, values in cfg.to_dict().items()}
+        cfg = apply_overrides(cfg, parse_sets(sets), every, "dflash memory")
     if target_dims:
         try:
             layers, hidden, vocab = (int(x) for x in target_dims.split(","))
@@ -45,7 +52,15 @@ def memory_cmd(config_path, device_gib, target_dims):
     with torch.device("meta"):
         drafter = DFlashDrafter(d, torch.empty(vocab, hidden), torch.empty(vocab, hidden))
     target = cfg.train.needs_target or d.family.needs_target
-    est = estimate(drafter, cfg.train, torch.device("cuda"), int(device_gib * 2**30), target_logits=target)
+    topk = 0 if cfg.target.store_last_layer else cfg.target.store_topk
+    est = estimate(
+        drafter, cfg.train, torch.device("cuda"), int(device_gib * 2**30), target_logits=target, topk=topk
+    )
     rows = row_budget(est, cfg.train, drafter.block_size)
     params = sum(p.numel() for p in drafter.parameters())
-    click.echo(f"{d.family.name} drafter: {params / 1e6:,.1f}M parameters; {est.line(rows)}")
+    route = (
+        (f" (the target's distribution from its {'top-' + str(topk) if topk else 'last layer'})")
+        if target
+        else ""
+    )
+    click.echo(f"{d.family.name} drafter{route}: {params / 1e6:,.1f}M parameters; {est.line(rows)}")

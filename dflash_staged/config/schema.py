@@ -48,10 +48,20 @@ class TargetConfig:
     # beside the taps: the trainer recomputes the target's logits from it (train.loss terms other than
     # ce). Costs one more hidden vector a token on disk (store/shard_store.py).
     store_last_layer: bool = False
+    # Also store the target's top-k log-probabilities for every token (ids and values, at
+    # topk_temperature): the target's distribution for the train.loss terms at a few hundred bytes a
+    # token, without its last layer or head in the trainer (store/shard_store.py). 0 = off.
+    store_topk: int = 0
+    topk_temperature: float = 1.0  # the temperature the stored top-k log-probabilities are taken at
 
     def __post_init__(self) -> None:
         _check(
             bool(self.model), "target.model is empty: set it to a model directory, a hub id, or 'tiny:qwen3'"
+        )
+        _check(self.store_topk >= 0, f"target.store_topk={self.store_topk}: must be >= 0 (0 = off)")
+        _check(
+            self.topk_temperature > 0,
+            f"target.topk_temperature={self.topk_temperature}: must be > 0",
         )
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -299,6 +309,9 @@ class Config:
         target = dict(d["target"])
         if not target.get("store_last_layer"):  # a plan made before the setting existed keeps its hash
             target.pop("store_last_layer", None)
+        if not target.get("store_topk"):  # likewise
+            target.pop("store_topk", None)
+            target.pop("topk_temperature", None)
         keep = {
             "target": target,
             "data": d["data"],

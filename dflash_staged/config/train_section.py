@@ -58,8 +58,9 @@ class TrainConfig:
     seed: int = 0  # seeds the drafter's initial weights, the anchors drawn and the order shards are drawn in
     # The objective: a weighted mix of terms, e.g. { ce = 0.1, tv = 0.9 }. "ce": cross-entropy on the
     # data's next token; the others learn the target's own next-token distribution, recomputed from
-    # its last layer in the store ([target] store_last_layer = true): "ce_target" (the target's argmax
-    # as the label), "kl" (forward KL to the target), "rkl" (reverse KL), "jsd", "tv" (total
+    # its last layer in the store ([target] store_last_layer = true), or read from its top-k
+    # log-probabilities ([target] store_topk; the tail's mass as one bucket): "ce_target" (the
+    # target's argmax as the label), "kl" (forward KL to the target), "rkl" (reverse KL), "jsd", "tv" (total
     # variation, 1 - sum min(p, q)), "lk" (the LK paper's hybrid: lambda KL + (1 - lambda) TV, lambda =
     # exp(-lk_eta x the row's acceptance)) and "lk_alpha" (-log acceptance). See train/objective/.
     loss: dict[str, float] = field(default_factory=lambda: {"ce": 1.0})
@@ -67,6 +68,9 @@ class TrainConfig:
     lk_eta: float = 3.0  # "lk": how fast the blend moves from KL to TV as acceptance grows
     # DFlash2: the selector term's label: "data" (the next token) or "target" (the target's argmax).
     selector_labels: str = "data"
+    # With the target's top-k log-probabilities in the store ([target] store_topk): use its first
+    # target_topk (the most likely) of them; 0 = all stored. One store of top-256 serves 16 and 64.
+    target_topk: int = 0
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"train.lr={self.lr}: must be > 0")
@@ -137,6 +141,7 @@ class TrainConfig:
             self.distill_temperature > 0, f"train.distill_temperature={self.distill_temperature}: must be > 0"
         )
         _check(self.lk_eta >= 0, f"train.lk_eta={self.lk_eta}: must be >= 0")
+        _check(self.target_topk >= 0, f"train.target_topk={self.target_topk}: must be >= 0 (0 = all stored)")
         _check(
             self.selector_labels in ("data", "target"),
             f"train.selector_labels={self.selector_labels!r}: use data or target",
@@ -149,5 +154,5 @@ class TrainConfig:
 
     @property
     def needs_target(self) -> bool:
-        """Whether training needs the target's last layer in the store."""
+        """Whether training needs the target's distribution in the store (its last layer or top-k)."""
         return bool(self.target_terms) or self.selector_labels == "target"

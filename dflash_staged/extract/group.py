@@ -193,7 +193,11 @@ def follow(target, group: Group) -> None:
             return
         if msg[0] == "job":
             try:
-                target.capture(msg[1], msg[2], keep=False)
+                out = target.capture(msg[1], msg[2], keep=bool(target.topk))
+                if target.topk:  # the leader's head runs on the packed tokens: the same collectives here
+                    from dflash_staged.model.target import pack_unpadded
+
+                    target.topk_of(pack_unpadded(out, msg[2].sum(1).tolist())[:, -1])
             except Exception as e:  # noqa: BLE001 - no all_ok: the others may be in a model collective
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 raise RankFailed(

@@ -128,7 +128,9 @@ class Publisher:
     def error(self) -> BaseException | None:
         return self.writer.error
 
-    def submit(self, job: Job, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids) -> None:
+    def submit(
+        self, job: Job, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids, topk=None
+    ) -> None:
         if self.writer.error is not None:
             raise self.writer.error
         self.writer.submit(
@@ -140,6 +142,7 @@ class Publisher:
             cu_seqlens,
             sample_ids,
             on_done=lambda result, job=job: self._done(job, result),
+            topk=topk,
         )
 
     def _done(self, job: Job, result) -> None:  # runs on the writer thread
@@ -179,9 +182,11 @@ def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardS
         logical_dtype=dtype_name(target.dtype),
         compression=cfg.extract.compression,
         last_layer=target.last_layer,
+        topk=target.topk,
+        topk_temperature=target.topk_temperature,
     )
     store = ShardStore.create_or_open(store_root, meta)
-    bpt = bytes_per_token(len(target.stored_ids), target.hidden_size, target.dtype.itemsize)
+    bpt = bytes_per_token(len(target.stored_ids), target.hidden_size, target.dtype.itemsize, target.topk)
     if m.meta.get("bytes_per_token") != bpt:
         m.set_meta("bytes_per_token", bpt)
     if m.meta.get("layer_ids") in (None, []):
@@ -228,7 +233,7 @@ def _loop(
     (:mod:`dflash_staged.manifest.balance`); the seconds go to the supervisor (:class:`Stopwatch`)."""
     worker_id, watch = f"w{rank}-{os.getpid()}", Stopwatch(rank, status_q)
     while watch.going(keep_going):
-        hidden = None  # the previous job's states are the writer's now: not held through this forward
+        hidden = topk = None  # the previous job's states are the writer's now: not held through this forward
         if publisher.error is not None:
             raise publisher.error
         r = m.claim(
@@ -258,16 +263,20 @@ def _loop(
             group.send(("job", ids, attn))  # the followers run the same forward
             try:
                 hidden = job_forward(target, ids, attn, lengths)
+                if target.topk:  # from the last layer (a tensor-parallel group's ranks all run the head)
+                    topk = target.topk_of(hidden[:, -1])
             except Exception as e:  # noqa: BLE001
                 error, in_forward, counted = describe_failure(e, ids, target.device), True, counts_attempt(e)
                 if isinstance(e, torch.OutOfMemoryError):  # said now, not only in the closing report
                     print(f"extract: worker {rank}: job {job.id}: {error}", file=sys.stderr, flush=True)
             else:
                 group.all_ok(True)  # the followers' forwards returned too (a broken group raises)
-                bad = nonfinite_layers(hidden, list(target.stored_ids))
+                bad = nonfinite_layers(hidden, list(target.captured_ids))
                 if bad:
                     error, attempts = nonfinite_error(job, bad, target.dtype), NONFINITE_ATTEMPTS
                     hidden = None
+                elif target.topk:  # the last layer was captured for the top-k: kept only if stored
+                    hidden = hidden[:, : len(target.stored_ids)]
         if error is not None:
             lease.drop(job)
             try:
@@ -287,7 +296,7 @@ def _loop(
             lease.drop(job)
             continue  # someone else owns it now; drop our result
         # The lease stays held until the writer has published (or given back) the shard.
-        publisher.submit(job, hidden, packed_ids, loss_mask, cu, sample_ids)
+        publisher.submit(job, hidden, packed_ids, loss_mask, cu, sample_ids, topk)
 
 
 def worker_main(

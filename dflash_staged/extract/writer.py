@@ -74,12 +74,14 @@ class ShardWriter:
         cu_seqlens: torch.Tensor,
         sample_ids: torch.Tensor,
         on_done: OnDone,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """Queue one shard (``topk``: the target's top-k ids and log-probabilities, for a store with them)."""
         if self._closed:
             raise RuntimeError("ShardWriter.submit after close")
         self._slots.acquire()
         try:
-            tensors = [hidden, input_ids, loss_mask, cu_seqlens, sample_ids]
+            tensors = [hidden, input_ids, loss_mask, cu_seqlens, sample_ids] + list(topk or ())
             event, buf = None, None
             if any(t.is_cuda for t in tensors):
                 tensors, event, buf = self._to_host(tensors)
@@ -123,7 +125,10 @@ class ShardWriter:
                 if event is not None:
                     event.synchronize()
                 try:
-                    result: ShardInfo | StagedShard | BaseException = self._write(epoch, job_id, *tensors)
+                    top = tuple(tensors[5:]) or None
+                    result: ShardInfo | StagedShard | BaseException = self._write(
+                        epoch, job_id, *tensors[:5], topk=top
+                    )
                 except BaseException as e:  # noqa: BLE001 - handed to on_done and close()
                     result = e
                     self._remember(e)

@@ -99,13 +99,16 @@ def disk_requirements(
             f"disk: hidden size of {cfg.target.model!r} unknown offline; pass --hidden-size H for the "
             "bandwidth and window arithmetic"
         ]
-    bpt = bytes_per_token(k, hidden, itemsize)
+    topk = cfg.target.store_topk
+    bpt = bytes_per_token(k, hidden, itemsize, topk)
     write = tok_s_per_worker * workers * bpt
     win = window * avg_tokens * bpt
     d.update(bytes_per_token=bpt, write_Bps=write, store_Bps=2 * write, window_bytes=win)
     lines = [
         f"bytes per token: K={k} stored layers ({taps} tapped{' + the last' if last else ''}) x hidden "
-        f"{hidden} x {itemsize} B + 5 B (id, loss mask) = {bpt:,} B",
+        f"{hidden} x {itemsize} B"
+        + (f" + the target's top-{topk} ({topk} x 6 B: int32 id, fp16 log-probability)" if topk else "")
+        + f" + 5 B (id, loss mask) = {bpt:,} B",
         f"disk bandwidth: {tok_s_per_worker:,.0f} tok/s per extract worker (--target-tok-s, or what "
         f"--split auto measured) x {_workers(n_gpus, tp)}"
         f" x {bpt:,} B = {_si(write)}/s written; each byte is read once by train, so the store must sustain "

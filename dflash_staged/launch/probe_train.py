@@ -63,7 +63,8 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
         raise DflashError(f"{manifest}: no written shard reads whole to time a trainer rank on")
     if dev.type == "cuda":
         data = [pinned(s) for s in data]
-    model = DrafterModel(build_drafter(cfg, store, dev), cfg.train, dev, 0, target_norm_for(cfg, store, dev))
+    norm = target_norm_for(cfg, store, dev)
+    model = DrafterModel(build_drafter(cfg, store, dev), cfg.train, dev, 0, norm, store_topk=store.meta.topk)
     optim = Optimizer(model.params, cfg.train, Dist(dev))
     t = SimpleNamespace(cfg=cfg, model=model)
     per_step = max(1, cfg.train.grad_accum)

@@ -24,10 +24,14 @@ LOGICAL_DTYPES = {
 TOKEN_BYTES = 5  # per token besides the hidden states: int32 input id + uint8 loss mask
 
 
-def bytes_per_token(num_layers: int, hidden_size: int, itemsize: int) -> int:
+TOPK_TOKEN_BYTES = 4 + 2  # a stored top-k entry: int32 id + float16 log-probability
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, itemsize: int, topk: int = 0) -> int:
     """Shard bytes per real token: K stored states (the taps, and the last layer when stored) of
-    ``hidden_size`` values, + id + loss mask."""
-    return num_layers * hidden_size * itemsize + TOKEN_BYTES
+    ``hidden_size`` values, the target's top-k (ids and log-probabilities) when stored, + id + loss
+    mask."""
+    return num_layers * hidden_size * itemsize + topk * TOPK_TOKEN_BYTES + TOKEN_BYTES
 
 
 SMALL_ARRAYS = {
@@ -35,7 +39,10 @@ SMALL_ARRAYS = {
     "loss_mask": (torch.uint8, "uint8"),  # (torch, zarr dtype)
     "cu_seqlens": (torch.int64, "int64"),
     "sample_ids": (torch.int64, "int64"),
+    "topk_ids": (torch.int32, "int32"),  # [T, k], only in a store with topk
+    "topk_logprobs": (torch.float16, "float16"),  # [T, k], likewise
 }
+TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
 
 
 class ShardError(DflashError):
@@ -78,15 +85,26 @@ class StoreMeta:
     # The target's last decoder layer when its output (before the final norm) is stored as one more
     # slice after the taps on the hidden array's K axis; None: not stored (and every older store).
     last_layer: int | None = None
+    # The target's top-k log-probabilities (k, and the temperature they were taken at) when stored
+    # (the arrays topk_ids and topk_logprobs); 0 / None: not stored (and every older store).
+    topk: int = 0
+    topk_temperature: float | None = None
 
     @property
     def stored_layers(self) -> int:
         """The hidden array's K: the taps, and the last layer when stored."""
         return len(self.layer_ids) + (self.last_layer is not None)
 
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """The arrays of every shard of this store, in checksum order."""
+        return ARRAYS + (TOPK_ARRAYS if self.topk else ())
+
     def __post_init__(self) -> None:
         self.layer_ids = [int(i) for i in self.layer_ids]
         self.last_layer = None if self.last_layer is None else int(self.last_layer)
+        self.topk = int(self.topk or 0)
+        self.topk_temperature = float(self.topk_temperature) if self.topk else None
         if self.logical_dtype not in LOGICAL_DTYPES:
             raise ValueError(f"logical_dtype={self.logical_dtype!r}: use one of {sorted(LOGICAL_DTYPES)}")
         if self.compression not in COMPRESSIONS:
@@ -113,6 +131,8 @@ class Shard:
     cu_seqlens: torch.Tensor  # [B+1] int64
     sample_ids: torch.Tensor  # [B] int64
     nbytes: int
+    topk_ids: torch.Tensor | None = None  # [T, k] int32, in a store with the target's top-k
+    topk_logprobs: torch.Tensor | None = None  # [T, k] float16
 
     @property
     def num_tokens(self) -> int:

@@ -42,7 +42,8 @@ class StorePaths:
 
     @property
     def bytes_per_token(self) -> int:
-        return bytes_per_token(self.meta.stored_layers, self.meta.hidden_size, self._torch_dtype.itemsize)
+        m = self.meta
+        return bytes_per_token(m.stored_layers, m.hidden_size, self._torch_dtype.itemsize, m.topk)
 
     def disk_bytes(self) -> int:
         """Bytes of all files under the store root (shards, temp leftovers, metadata)."""

@@ -14,7 +14,6 @@ import json
 import torch
 
 from dflash_staged.store.meta import (
-    ARRAYS,
     SMALL_ARRAYS,
     Shard,
     ShardCorruptError,
@@ -37,7 +36,7 @@ class ShardReader(StorePaths):
             ok = (
                 (attrs["epoch"], attrs["job_id"]) == (int(epoch), int(job_id))
                 and attrs["logical_dtype"] == self.meta.logical_dtype
-                and set(attrs["arrays"]) == set(ARRAYS)
+                and set(attrs["arrays"]) == set(self.meta.arrays)
             )
         except FileNotFoundError:
             if d.is_dir():
@@ -67,9 +66,10 @@ class ShardReader(StorePaths):
                 f"{expected_checksum}: it is not the shard that was written; re-extract"
             )
         out: dict[str, torch.Tensor] = {}
-        for name in ARRAYS[1:]:  # start the small files' reads now, so they overlap the big one
+        names = self.meta.arrays
+        for name in names[1:]:  # start the small files' reads now, so they overlap the big one
             prefetch(d / attrs["arrays"][name]["file"])
-        for name in ARRAYS:
+        for name in names:
             e = attrs["arrays"][name]
             dtype = self._torch_dtype if name == "hidden" else SMALL_ARRAYS[name][0]
             t = empty_tensor(e["shape"], dtype)
@@ -96,4 +96,6 @@ class ShardReader(StorePaths):
             out["cu_seqlens"],
             out["sample_ids"],
             int(attrs["nbytes"]),
+            out.get("topk_ids"),
+            out.get("topk_logprobs"),
         )

@@ -6,7 +6,8 @@ Layout (all metadata is standard zarr v3 ``zarr.json``)::
 
     STORE/zarr.json                  group; attributes["dflash_store"] = {format_version,
                                      manifest_id, target_id, layer_ids, hidden_size,
-                                     logical_dtype, compression, last_layer}
+                                     logical_dtype, compression, last_layer, topk,
+                                     topk_temperature}
     STORE/shards/zarr.json           group
     STORE/shards/e{E}/zarr.json      group, one per epoch
     STORE/shards/e{E}/j{J}/          group, one per job (a "shard"); attributes["dflash_shard"] =
@@ -18,12 +19,16 @@ Layout (all metadata is standard zarr v3 ``zarr.json``)::
         loss_mask/    [T] uint8 (0/1)
         cu_seqlens/   [B+1] int64, sample b is tokens cu_seqlens[b]:cu_seqlens[b+1]
         sample_ids/   [B] int64 (ids of the plan's samples)
+        topk_ids/     [T, k] int32, only when topk > 0: the target's k most likely next tokens
+                      after each token, most likely first
+        topk_logprobs/ [T, k] float16: their log-probabilities at topk_temperature (a log-softmax
+                      over the whole vocabulary, from the target's last layer, final norm and head)
 
 T is the number of real tokens (no padding), H = hidden_size, K = len(layer_ids): the tapped
 layers' outputs in ``layer_ids`` order, plus one when ``last_layer`` is set (the target's
 ``[target] store_last_layer``): then ``hidden[:, K-1]`` is the output of decoder layer
 ``last_layer`` (the last one), before the target's final norm. A store without the key (written
-before it existed) reads as ``last_layer = null``. Each array
+before it existed) reads as ``last_layer = null``, and one without ``topk`` as ``topk = 0``. Each array
 is a single chunk (chunk shape = shape, or 1 where a dimension is 0) stored in the file
 ``<array>/c.0[.0.0]`` (default chunk key encoding, separator "."), codecs ``bytes`` (little
 endian) and, if the store's compression is "zstd", ``zstd`` level 1. ``hidden`` is stored as
@@ -33,13 +38,14 @@ bfloat16), natively for "float16"/"float32"; every array carries the attribute
 
 Integrity: ``arrays[name].xxh3`` is the XXH3-64 digest (16 hex digits) of the array's raw
 (uncompressed) little-endian bytes; ``checksum`` = ``"xxh3_64:"`` + the XXH3-64 digest of the
-five array digests as 8-byte big-endian values, concatenated in the order hidden, input_ids,
-loss_mask, cu_seqlens, sample_ids. ``nbytes`` is the total size of the chunk
-files. The manifest records (nbytes, checksum) when it marks a job ``written``; readers pass the
-checksum back as ``expected_checksum`` and get :class:`ShardCorruptError` if the shard was
-replaced. A missing shard raises :class:`ShardMissingError`, a short file
-:class:`ShardTruncatedError`, a digest mismatch :class:`ShardCorruptError`; the manifest then sends
-the job back to ``pending`` (never silently skipped or replaced).
+array digests as 8-byte big-endian values, concatenated in the order hidden, input_ids,
+loss_mask, cu_seqlens, sample_ids (then topk_ids, topk_logprobs when stored). ``nbytes`` is the
+total size of the chunk files. The manifest records (nbytes, checksum) when it marks a job
+``written``; readers pass the checksum back as ``expected_checksum`` and get
+:class:`ShardCorruptError` if the shard was replaced. A missing shard raises
+:class:`ShardMissingError`, a short file :class:`ShardTruncatedError`, a digest mismatch
+:class:`ShardCorruptError`; the manifest then sends the job back to ``pending`` (never silently
+skipped or replaced).
 
 Atomicity: a shard is written in ``shards/e{E}/.tmp~j{J}~{pid}~{token}~{host}``, every file and
 directory fsynced, then renamed to ``j{J}`` and the epoch directory fsynced; a reader sees a

@@ -19,6 +19,7 @@ from dflash_staged.store.cleanup import ShardCleanup
 from dflash_staged.store.meta import (
     FORMAT_VERSION,
     SMALL_ARRAYS,
+    TOPK_ARRAYS,
     ShardInfo,
     StagedShard,
     StoreFullError,
@@ -58,7 +59,9 @@ class ShardWriter(ShardCleanup):
             fsync_dir(edir.parent)
         return edir
 
-    def _arrays(self, hidden, input_ids, loss_mask, cu_seqlens, sample_ids) -> dict[str, torch.Tensor]:
+    def _arrays(
+        self, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk=None
+    ) -> dict[str, torch.Tensor]:
         k, h = self.meta.stored_layers, self.meta.hidden_size
         if hidden.dim() != 3 or hidden.shape[1] != k or hidden.shape[2] != h:
             raise ValueError(f"hidden has shape {tuple(hidden.shape)}; this store wants [T, {k}, {h}]")
@@ -93,14 +96,26 @@ class ShardWriter(ShardCleanup):
             )
         if bool((out["loss_mask"] > 1).any()):
             raise ValueError("loss_mask must be 0/1")
+        k = self.meta.topk
+        if bool(k) != (topk is not None):
+            raise ValueError(
+                f"this store holds the target's top-{k} log-probabilities: give {'them' if k else 'none'}"
+            )
+        if k:
+            for name, val in zip(TOPK_ARRAYS, topk):
+                val = torch.as_tensor(val).detach().to("cpu")
+                if tuple(val.shape) != (t, k):
+                    raise ValueError(f"{name} has shape {tuple(val.shape)}; this store wants [{t}, {k}]")
+                out[name] = val.to(SMALL_ARRAYS[name][0]).contiguous()
         return out
 
     def write_shard(
-        self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids
-    ) -> ShardInfo:
+        self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids,
+        topk=None,
+    ) -> ShardInfo:  # fmt: skip
         """Publish one shard atomically (replacing an older one of the same job); return its size and
-        checksum."""
-        staged = self.stage_shard(epoch, job_id, hidden, input_ids, loss_mask, cu_seqlens, sample_ids)
+        checksum. ``topk``: the target's (ids, log-probabilities) ``[T, k]``, in a store that holds them."""
+        staged = self.stage_shard(epoch, job_id, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk)
         self.commit_staged(staged)
         return staged.info
 
@@ -120,10 +135,11 @@ class ShardWriter(ShardCleanup):
         shutil.rmtree(staged.tmp, ignore_errors=True)
 
     def stage_shard(
-        self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids
-    ) -> StagedShard:
+        self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids,
+        topk=None,
+    ) -> StagedShard:  # fmt: skip
         """Write one shard completely (files and directories fsynced) under a temporary name."""
-        arrays = self._arrays(hidden, input_ids, loss_mask, cu_seqlens, sample_ids)
+        arrays = self._arrays(hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk)
         try:
             edir = self._epoch_dir(epoch)
         except OSError as e:

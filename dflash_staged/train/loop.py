@@ -53,16 +53,18 @@ def microbatches(shard, max_tokens: int, max_rows: int = 0, rows: list[int] | No
             start, held = i, rows[i]
     groups.append((start, n))
     out = []
+    topk = getattr(shard, "topk_ids", None) is not None
     for s, e in groups:
         a, b = cu[s], cu[e]
-        out.append(
-            {
-                "hidden": shard.hidden[a:b],
-                "input_ids": shard.input_ids[a:b].long(),
-                "loss_mask": shard.loss_mask[a:b],
-                "cu_seqlens": shard.cu_seqlens[s : e + 1] - a,
-            }
-        )
+        mb = {
+            "hidden": shard.hidden[a:b],
+            "input_ids": shard.input_ids[a:b].long(),
+            "loss_mask": shard.loss_mask[a:b],
+            "cu_seqlens": shard.cu_seqlens[s : e + 1] - a,
+        }
+        if topk:  # the target's top-k, in a store that holds them
+            mb.update(topk_ids=shard.topk_ids[a:b], topk_logprobs=shard.topk_logprobs[a:b])
+        out.append(mb)
     return out
 
 

@@ -18,9 +18,10 @@ here from the device's memory) and :func:`estimate` states the peak it expects:
 * **per context token**: the taps read from the shard, the fused context and each layer's
   context keys and values;
 * **the loss**: one ``train.loss_chunk`` of fp32 logits, their softmax and gradient
-  (:data:`LOSS_BUFFERS`); with a term on the target's distribution also the target's logits, both
-  sides' log-probabilities and probabilities (:data:`TARGET_LOSS_BUFFERS`), and the target's last
-  layer among the context tokens' inputs;
+  (:data:`LOSS_BUFFERS`); with a term on the target's distribution also the target's logits (or the
+  distribution formed from its top-k), both sides' log-probabilities and probabilities
+  (:data:`TARGET_LOSS_BUFFERS`), and the target's last layer (or its top-k) among the context tokens'
+  inputs;
 * **the family's own** (:meth:`~dflash_staged.model.drafters.family.Family.memory`): DFlash2's
   convolutions and selector candidates, DSpark's Markov and confidence heads, DSpine's injection,
   refinement and transfer codes, each family's figures in its own folder;
@@ -102,11 +103,13 @@ def estimate(
     device: torch.device,
     device_bytes: int | None = None,
     target_logits: bool = False,
+    topk: int = 0,
 ) -> MemoryEstimate:
     """The estimate for ``drafter`` (its config and the sizes of its trainable and frozen tensors;
     it may live on the meta device) trained under ``t`` on ``device``, whose memory is
     ``device_bytes`` (default: the CUDA device's; none on CPU); ``target_logits``: the loss also
-    recomputes the target's logits (a term on its distribution: ``train.loss``)."""
+    recomputes the target's logits (a term on its distribution: ``train.loss``), from its last layer or,
+    with ``topk``, from its stored top-k (read beside the taps instead of the last layer)."""
     c = drafter.dcfg
     cuda = device.type == "cuda"
     act = 2 if cuda else 4  # bf16 autocast on CUDA, fp32 on CPU
@@ -121,8 +124,9 @@ def estimate(
     family_fixed, family_row = c.family.memory(c, c.options, t.activation_checkpointing, act)
     taps = len(c.target_layer_ids)
     kv = 2 * c.num_key_value_heads * c.head_dim
-    taps += 1 if target_logits else 0  # the target's last layer, read beside the taps
+    taps += 1 if target_logits and not topk else 0  # the target's last layer, read beside the taps
     ctx_elems = t.microbatch_tokens * (taps * H + 2 * H + L * kv * (1 if t.activation_checkpointing else 2))
+    ctx_elems += t.microbatch_tokens * topk * 6 // act  # or its top-k: int32 ids, fp16 log-probabilities
     if device_bytes is None:
         device_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     q_row = c.num_attention_heads * c.head_dim  # flex pads q (and the blocks' k, v, its output) by row

@@ -24,6 +24,7 @@ from dflash_staged.errors import DflashError
 from dflash_staged.model.drafters.backbone import DFlashDrafter
 from dflash_staged.model.drafters.flex import resolve_attention
 from dflash_staged.model.drafters.weights import write_drafter_files
+from dflash_staged.model.target.weights import load_final_norm
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.memory import estimate, row_budget
@@ -52,8 +53,12 @@ class DrafterModel:
         rank: int,
         target_norm: torch.nn.Module | None = None,
         device_bytes: int | None = None,
+        store_topk: int = 0,
     ):
         self.drafter, self.t, self.device, self.target_norm = drafter, t, device, target_norm
+        # the target's distribution: from its last layer (target_norm), else from the store's top-k
+        self.store_topk = 0 if target_norm is not None else int(store_topk)
+        self.has_target = target_norm is not None or self.store_topk > 0
         selector = getattr(drafter, "selector", None)
         if selector is not None and t.selector_alpha == 0:  # as SpecForge: no selector term, no training
             selector.requires_grad_(False)
@@ -62,7 +67,9 @@ class DrafterModel:
         self.attention = resolve_attention(t.attention, device)
         drafter.activation_checkpointing = t.activation_checkpointing
         # the target's logits in the head: for the loss, or (a store with its last layer) for the metrics
-        self.memory = estimate(drafter, t, device, device_bytes, target_logits=target_norm is not None)
+        self.memory = estimate(
+            drafter, t, device, device_bytes, target_logits=self.has_target, topk=self.store_topk
+        )
         self.max_rows = row_budget(self.memory, t, drafter.block_size)  # 0 = no cap
         if device.type == "cuda" and rank == 0:
             print(f"train: {self.memory.line(self.max_rows)}", file=sys.stderr, flush=True)
@@ -82,7 +89,7 @@ class DrafterModel:
         return Knobs(
             noise_std_at(step, total_steps, t.noise_std, t.noise_schedule),
             alpha_at(step, total_steps, t.selector_alpha, t.selector_warmup_ratio, t.selector_ramp_ratio),
-            self.target_norm is not None and (step + 1) % t.log_every == 0,
+            self.has_target and (step + 1) % t.log_every == 0,
             step,
             total_steps,
         )
@@ -93,6 +100,7 @@ class DrafterModel:
         ``train.log_every`` steps (when the store has the target's last layer)."""
         wants = self.t.needs_target or self.drafter.family.needs_target or knobs.target_metrics
         norm = self.target_norm if wants else None
+        topk = self.t.target_topk if wants and self.store_topk else None
         with self.autocast():
             return dflash_loss(
                 self.drafter,
@@ -115,6 +123,7 @@ class DrafterModel:
                 selector_labels=self.t.selector_labels,
                 step=knobs.step,
                 total_steps=knobs.total_steps,
+                target_topk=topk,
             )
 
     def zero_stats(self) -> dict[str, torch.Tensor]:
@@ -156,29 +165,46 @@ class DrafterModel:
 
 
 def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> torch.nn.Module | None:
-    """The target's final norm when the store holds its last layer (None otherwise). A loss that needs
-    the target's distribution on a store without the last layer is refused here, before any step."""
-    from dflash_staged.model.target.weights import load_final_norm
+    """The target's final norm when the store holds its last layer (None otherwise: the target's
+    distribution then comes from the store's top-k, if it holds them). A drafter family or a loss that
+    needs the target's distribution from a store with neither is refused here, before any step, and so
+    is a top-k taken at another temperature than the terms use."""
+    from dflash_staged.model.drafters.registry import family
 
-    if store.meta.last_layer is None:
-        from dflash_staged.model.drafters.registry import family
-
-        fam = family(cfg.drafter.architecture)
-        if fam.needs_target:
+    meta, fam = store.meta, family(cfg.drafter.architecture)
+    if meta.last_layer is not None:
+        return load_final_norm(cfg.target, device)
+    wanted = fam.needs_target or cfg.train.needs_target
+    if meta.topk:
+        t, ts = cfg.train.distill_temperature, meta.topk_temperature
+        if fam.needs_target and ts != 1.0:
             raise DflashError(
-                f"drafter.architecture = {fam.name!r} learns from the target's own distribution, which needs "
-                f"its last layer in the store, and store {store.root} was extracted without it: plan with "
-                "[target] store_last_layer = true and extract again"
+                f"drafter.architecture = {fam.name!r} learns the target's distribution at temperature 1, "
+                f"and store {store.root} holds its top-{meta.topk} at [target] topk_temperature = {ts:g}: "
+                "plan with topk_temperature = 1.0"
             )
-        if cfg.train.needs_target:
-            what = ", ".join(cfg.train.target_terms) or "selector_labels = target"
+        if cfg.train.target_terms and t != ts:
             raise DflashError(
-                f"train.loss = {cfg.train.loss} ({what}) learns the target's own distribution, which needs "
-                f"its last layer in the store, and store {store.root} was extracted without it: plan with "
-                "[target] store_last_layer = true and extract again, or train with loss = { ce = 1.0 }"
+                f"train.distill_temperature = {t:g}, but store {store.root} holds the target's "
+                f"top-{meta.topk} at [target] topk_temperature = {ts:g}: set train.distill_temperature = "
+                f"{ts:g}"
             )
         return None
-    return load_final_norm(cfg.target, device)
+    if fam.needs_target:
+        raise DflashError(
+            f"drafter.architecture = {fam.name!r} learns from the target's own distribution, which needs "
+            f"its last layer or its top-k in the store, and store {store.root} was extracted with neither: "
+            "plan with [target] store_last_layer = true or [target] store_topk = 64 and extract again"
+        )
+    if wanted:
+        what = ", ".join(cfg.train.target_terms) or "selector_labels = target"
+        raise DflashError(
+            f"train.loss = {cfg.train.loss} ({what}) learns the target's own distribution, which needs its "
+            f"last layer or its top-k in the store, and store {store.root} was extracted with neither: plan "
+            "with [target] store_last_layer = true or [target] store_topk = 64 and extract again, or train "
+            "with loss = { ce = 1.0 }"
+        )
+    return None
 
 
 def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_from: Path | None = None):

@@ -235,7 +235,9 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         store.cleanup_temp(claimed=m.holds_claim, unwanted=unwanted_on(m, node))
     norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
     drafter = build_drafter(cfg, store, device, opts.init_from)
-    model = DrafterModel(drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device))
+    model = DrafterModel(
+        drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device), store.meta.topk
+    )
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:
         order = inputs.load_order(opts.order_from) if opts.order_from else None

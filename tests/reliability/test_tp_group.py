@@ -247,3 +247,30 @@ def test_tp2_hybrid_targets_match_tp1(tmp_path, kind):
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert_matches_tp1(mdir, tmp_path / "store")
+
+
+def test_tp2_extract_stores_the_targets_topk_as_one_process_does(tmp_path):
+    """With [target] store_topk, every rank of a TP=2 group runs the head on the packed last layer (the
+    head's collectives pair up), and the leader's stored top-k equal a one-process target's (issue 40)."""
+    mdir = plan(tmp_path, n=16, extra=EXTRA + "[target]\nstore_topk = 8\n")
+    store_dir = tmp_path / "store"
+    r = run_dflash(
+        "extract", "--manifest", mdir, "--store", store_dir, "--devices", "cpu,cpu", "--tp", "2", timeout=300
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    with Manifest.open(mdir, readonly=True) as m:
+        target = load_target(m.config.target, "cpu", layer_ids=m.meta["layer_ids"])
+        store = ShardStore.open(store_dir)
+        assert store.meta.topk == 8 and store.meta.last_layer is None
+        n = 0
+        for j in m.jobs():
+            shard = store.read_shard(j.epoch, j.id, j.checksum)
+            seqs = [torch.from_numpy(m.sample(s)[0].astype("int64")) for s in j.sample_ids]
+            ids, attn, lengths = pad_batch(seqs)
+            last = pack_unpadded(target.capture(ids, attn), lengths)[:, -1]
+            want_ids, want_lp = target.topk_of(last)
+            assert shard.hidden.shape[1] == len(m.meta["layer_ids"])  # the last layer itself is not stored
+            assert torch.equal(shard.topk_ids, want_ids)
+            torch.testing.assert_close(shard.topk_logprobs.float(), want_lp.float(), atol=1e-2, rtol=1e-3)
+            n += 1
+    assert n > 0

@@ -62,6 +62,9 @@ class FamilyBatch(NamedTuple):
     loss_chunk: int
     generator: torch.Generator | None
     gamma: float  # train.gamma: the position weights' decay
+    topk: tuple[torch.Tensor, torch.Tensor] | None = (
+        None  # the target's top-k [T, k] (ids, log-probs), without `last`
+    )
 
 
 class FamilyRows(NamedTuple):

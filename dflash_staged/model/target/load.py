@@ -166,7 +166,14 @@ def load_target(
     if layer_ids is None:
         layer_ids = resolve_layer_ids(cfg, text.num_hidden_layers, num_draft_layers)
     target = Target(
-        model, layer_ids, _target_id(cfg, model_config), device, model_config, last_layer=cfg.store_last_layer
+        model,
+        layer_ids,
+        _target_id(cfg, model_config),
+        device,
+        model_config,
+        last_layer=cfg.store_last_layer,
+        topk=cfg.store_topk,
+        topk_temperature=cfg.topk_temperature,
     )
     if tp > 1:
         check_sharded(model, target.layers, tp, what)

@@ -101,7 +101,15 @@ class Target:
     """A loaded target LM with tapped decoder layers; build it with :func:`load_target`."""
 
     def __init__(
-        self, model, layer_ids: list[int], target_id: str, device, model_config=None, last_layer: bool = False
+        self,
+        model,
+        layer_ids: list[int],
+        target_id: str,
+        device,
+        model_config=None,
+        last_layer: bool = False,
+        topk: int = 0,
+        topk_temperature: float = 1.0,
     ):
         self.model = model.eval().requires_grad_(False)
         cfg = model_config if model_config is not None else model.config
@@ -118,6 +126,12 @@ class Target:
         # what capture() returns on its K axis: the taps, then (last_layer) the last decoder layer
         self.stored_ids: list[int] = self.layer_ids + ([self.num_layers - 1] if last_layer else [])
         self.last_layer: int | None = self.num_layers - 1 if last_layer else None
+        # the target's top-k log-probabilities (topk_of), from its last layer, captured for it when not stored
+        self.topk, self.topk_temperature = int(topk), float(topk_temperature) if topk else None
+        self.captured_ids: list[int] = self.stored_ids + (
+            [self.num_layers - 1] if topk and not last_layer else []
+        )
+        self.softcap = float(getattr(text, "final_logit_softcapping", None) or 0.0)
         self.target_id = target_id
         self.device = torch.device(device)
         self.dtype: torch.dtype = next(model.parameters()).dtype
@@ -173,15 +187,43 @@ class Target:
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
-        out = self._empty_taps(input_ids, len(self.stored_ids)) if keep else None
-        with torch.inference_mode(), self._taps(out, stop=True, ids=self.stored_ids):
+        out = self._empty_taps(input_ids, len(self.captured_ids)) if keep else None
+        with torch.inference_mode(), self._taps(out, stop=True, ids=self.captured_ids):
             try:
                 self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             except _StopForward:
                 pass
             else:  # pragma: no cover - would mean the hook never fired
-                raise RuntimeError(f"layer {max(self.stored_ids)} never ran; cannot stop the forward early")
+                raise RuntimeError(f"layer {max(self.captured_ids)} never ran; cannot stop the forward early")
         return out
+
+    @torch.inference_mode()
+    def topk_of(self, last: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's top-``topk`` next-token log-probabilities at ``topk_temperature`` from its last
+        decoder layer's outputs ``last [T, H]`` (before the final norm): its final norm, head and
+        softcap, a log-softmax over the whole vocabulary in fp32, ``chunk`` tokens at a time ->
+        (ids ``[T, k]`` int32, most likely first; log-probabilities ``[T, k]`` float16)."""
+        norm, head = self._final_norm(), self.model.get_output_embeddings()
+        ids = torch.empty(last.shape[0], self.topk, dtype=torch.int32, device=last.device)
+        logp = torch.empty(last.shape[0], self.topk, dtype=torch.float16, device=last.device)
+        for s in range(0, last.shape[0], chunk):
+            logits = head(norm(last[s : s + chunk])).float()
+            if self.softcap:
+                logits = self.softcap * torch.tanh(logits / self.softcap)
+            v, i = torch.log_softmax(logits / self.topk_temperature, -1).topk(self.topk, dim=-1)
+            ids[s : s + chunk], logp[s : s + chunk] = i, v.clamp_min(-60000.0)
+        return ids, logp
+
+    def _final_norm(self) -> torch.nn.Module:
+        """The norm after the last decoder layer: the ``norm`` beside the layer list."""
+        for _, module in self.model.named_modules():
+            if getattr(module, "layers", None) is self.layers and isinstance(
+                getattr(module, "norm", None), torch.nn.Module
+            ):
+                return module.norm
+        raise DflashError(
+            "the target has no final norm beside its decoder layers: its top-k cannot be computed"
+        )
 
     def forward_with_taps(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True):
         """Full forward (all layers + LM head): ``(logits [B, L, V], taps [B, L, K, H], cache)``.

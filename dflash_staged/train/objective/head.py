@@ -6,7 +6,8 @@ training):
 
 * :func:`head_rows` takes final-normed states ``h [P, H]``, the frozen head ``W [V, H]``, the data's
   labels ``[P]`` and optionally the target's rows (:class:`TargetRows`: its stored last layer, the
-  position each row reads and the target's final norm). It forms ``chunk`` rows at a time the
+  position each row reads and the target's final norm; or :class:`TopkRows`: its stored top-k, whose
+  tail :mod:`dflash_staged.model.drafters.target_dist` treats). It forms ``chunk`` rows at a time the
   drafter's logits and, with the target's rows, the target's logits from ``norm(last) @ W^T``, both
   through the target's logit transform (``output_multiplier``, ``final_logit_softcapping``; see
   :mod:`dflash_staged.model.drafters.dflash2.modules`). No ``[rows, V]`` tensor outlives its chunk, for the
@@ -47,6 +48,16 @@ class TargetRows(NamedTuple):
     states: torch.Tensor
     pos: torch.Tensor
     norm: torch.nn.Module
+
+
+class TopkRows(NamedTuple):
+    """The target's side of the head from its stored top-k: ids ``[T, k]`` and log-probabilities
+    ``[T, k]`` at the distillation temperature, and the position each head row reads (``pos [P]``).
+    :mod:`dflash_staged.model.drafters.target_dist` says how the tail is treated."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+    pos: torch.Tensor
 
 
 class HeadRows(NamedTuple):
@@ -94,21 +105,25 @@ class _ChunkedHead(torch.autograd.Function):
                 hc, y = h[s:e].to(weight.dtype), labels[s:e]
                 raw = (hc @ weight.t()).float()
                 u = transform_logits(raw, multiplier, softcap)
-                t = None
-                if with_t:
+                t = top = None
+                if isinstance(target, TopkRows):
+                    rows = target.pos[s:e]
+                    top = (target.ids[rows], target.logp[rows])
+                elif with_t:
                     x = target.norm(target.states[target.pos[s:e]]).to(weight.dtype)
                     t = transform_logits((x @ weight.t()).float(), multiplier, softcap)
-                c = Chunk(u, y, t, temperature, lk_eta)
+                c = Chunk(u, y, t, temperature, lk_eta, top=top)
                 value, g = combine(terms, c)
                 loss[s:e] = value
                 argmax = u.argmax(-1)
                 hits[s:e] = argmax == y
                 label = c.target_ids if with_t and target_label else y
                 p_label[s:e] = (u.gather(1, label[:, None])[:, 0] - c.lse).exp()
-                if with_t:
+                if with_t:  # (with the top-k at another temperature: the overlap at that temperature)
                     t_ids[s:e], t_hits[s:e] = c.target_ids, argmax == c.target_ids
-                    p1 = c.p if temperature == 1.0 else torch.softmax(t, -1)
-                    overlap[s:e] = c.overlap if temperature == 1.0 else torch.minimum(p1, c.q1).sum(-1)
+                    at_t = temperature == 1.0 or t is None
+                    p1 = c.p if at_t else torch.softmax(t, -1)
+                    overlap[s:e] = c.overlap if at_t else torch.minimum(p1, c.q1).sum(-1)
                 if top_k:
                     v, i = u.topk(top_k, dim=-1)
                     vals[s:e], ids[s:e] = v, i

@@ -11,7 +11,7 @@ import torch
 from dflash_staged.errors import DflashError
 from dflash_staged.model.drafters.family import FamilyBatch, FamilyRows
 from dflash_staged.train.objective.anchors import add_noise, block_labels, sample_anchors
-from dflash_staged.train.objective.head import TargetRows, head_rows
+from dflash_staged.train.objective.head import TargetRows, TopkRows, head_rows
 from dflash_staged.train.objective.metrics import block_acceptance, expected_acceptance, zero_stats
 from dflash_staged.train.objective.selector import selector_rows
 from dflash_staged.train.objective.terms import needs_target
@@ -114,12 +114,15 @@ def dflash_loss(
     selector_labels: str = "data",
     step: int = 0,
     total_steps: int = 0,
+    target_topk: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one microbatch and its stats (see :mod:`dflash_staged.train.objective`).
 
     ``terms``: ``train.loss`` (default ``{"ce": 1.0}``). ``target_norm``: the target's final norm; given
     (and the batch holding the target's last layer), the target's logits are recomputed for every
-    row, for the terms that need them and for the target metrics."""
+    row, for the terms that need them and for the target metrics. ``target_topk`` (not None; the batch
+    holding the target's top-k): the target's distribution from its first ``target_topk`` stored
+    entries (0: all) instead, where the store holds no last layer."""
     terms = terms or {"ce": 1.0}
     hidden = _field(batch, "hidden")
     dev = hidden.device
@@ -132,17 +135,23 @@ def dflash_loss(
             f"{hidden.shape[0]} rows and input_ids {input_ids.shape[0]}; the shard is inconsistent"
         )
     taps, last = split_hidden(drafter, hidden)
+    full = last is not None and target_norm is not None
+    topk = None
+    if not full and target_topk is not None and isinstance(batch, dict) and "topk_ids" in batch:
+        k = target_topk or None
+        topk = (batch["topk_ids"][:, :k].to(dev), batch["topk_logprobs"][:, :k].to(dev))
     fam = drafter.family
-    if fam.needs_target and (last is None or target_norm is None):
+    if fam.needs_target and not (full or topk is not None):
         raise DflashError(
-            f"drafter.architecture={fam.name!r} learns from the target's distribution: its last layer must "
-            "be in the store ([target] store_last_layer = true) and its final norm loaded"
+            f"drafter.architecture={fam.name!r} learns from the target's distribution: the store must hold "
+            "its last layer ([target] store_last_layer = true) or its top-k ([target] store_topk)"
         )
     wants_target = fam.objective is None and (needs_target(terms) or selector_labels == "target")
-    if wants_target and (last is None or target_norm is None):
+    if wants_target and not (full or topk is not None):
         raise DflashError(
-            f"train.loss={terms} (selector_labels={selector_labels!r}) needs the target's logits: its last "
-            "layer must be in the store ([target] store_last_layer = true) and its final norm loaded"
+            f"train.loss={terms} (selector_labels={selector_labels!r}) needs the target's distribution: the "
+            "store must hold its last layer ([target] store_last_layer = true) or its top-k ([target] "
+            "store_topk)"
         )
     B = drafter.block_size
     anchors = sample_anchors(loss_mask, cu, B, num_anchors, generator)
@@ -153,17 +162,19 @@ def dflash_loss(
     taps = add_noise(taps, noise_std, generator)
     if fam.objective is not None:
         fb = FamilyBatch(
-            drafter, taps, input_ids, loss_mask, cu, anchors, last, target_norm, attention, step,
-            total_steps, loss_chunk, generator, gamma,
+            drafter, taps, input_ids, loss_mask, cu, anchors, last if full else None, target_norm, attention,
+            step, total_steps, loss_chunk, generator, gamma, topk,
         )  # fmt: skip
         total, rows = fam.objective(fb)
         return total / _denom(rows.weight_sum, denom, dev), family_stats(drafter, rows, A)
     out = drafter.forward_train(taps, input_ids, cu, anchors, attention=attention)[:, 1:]  # [A, B-1, H]
     labels, valid = block_labels(input_ids, loss_mask, cu, anchors, B)
     target = None
-    if last is not None and target_norm is not None:
-        pos = (anchors[:, None] + torch.arange(B - 1, device=dev)).clamp(max=hidden.shape[0] - 1)
-        target = TargetRows(last, pos.reshape(-1), target_norm)
+    pos = (anchors[:, None] + torch.arange(B - 1, device=dev)).clamp(max=hidden.shape[0] - 1).reshape(-1)
+    if full:
+        target = TargetRows(last, pos, target_norm)
+    elif topk is not None:
+        target = TopkRows(*topk, pos)
     selector, c = getattr(drafter, "selector", None), drafter.dcfg
     head = head_rows(
         out.reshape(-1, out.shape[-1]),

@@ -10,7 +10,8 @@ DeepSpec's: ``loss_mask`` on the anchor and on the next token):
 * **Logits.** ``u_k`` = the head's logits of the final-normed state (through the target's logit
   transform) plus the Markov bias of the data's previous token (teacher forcing,
   :mod:`.heads`). The target's ``p_k`` = softmax of its own logits at ``a + k`` (its stored last
-  layer, its final norm and head).
+  layer, its final norm and head), or its stored top-k with the tail as one bucket
+  (:mod:`dflash_staged.model.drafters.target_dist`: the L1 term is then the bucketed one).
 * **Terms**, each a weighted sum over the rows: ``ce_weight`` x CE of ``u_k`` on the label,
   ``l1_weight`` x ``sum |softmax(u_k) - p_k|`` (twice the total variation), and ``confidence_weight``
   x the confidence head's BCE against ``1 - TV = clamp(1 - L1 / 2, 0, 1)`` (detached). DeepSpec
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_staged.model.drafters.dspark.heads import confidence_logits
 from dflash_staged.model.drafters.family import FamilyBatch, FamilyRows
 from dflash_staged.model.drafters.layers import transform_logits
+from dflash_staged.model.drafters.target_dist import topk_logp
 
 
 def block_rows(fb: FamilyBatch, B: int):
@@ -45,22 +47,27 @@ def block_rows(fb: FamilyBatch, B: int):
     return torch.where(valid, ids[idxc], 0), valid, prev, idxc
 
 
-def _chunk(h, m, w2, labels, tpos, last, drafter, target_norm):
-    """One chunk of rows: (ce, l1, acceptance (detached), hits, target hits)."""
+def _chunk(h, m, w2, labels, tpos, top_ids, top_logp, last, drafter, target_norm):
+    """One chunk of rows: (ce, l1, acceptance (detached), hits, target hits). The target's
+    distribution from its last layer, or (``top_ids``) from its top-k (:mod:`..target_dist`)."""
     c, W = drafter.dcfg, drafter.lm_head_weight
     with torch.autocast(h.device.type, enabled=False):
         u = transform_logits((h.to(W.dtype) @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
         if m is not None:
             u = u + (m.to(w2.dtype) @ w2.t()).float()
-        x = target_norm(last[tpos]).to(W.dtype)
-        t = transform_logits((x @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
+        if top_ids is None:
+            x = target_norm(last[tpos]).to(W.dtype)
+            t = transform_logits((x @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
     logq = torch.log_softmax(u, -1)
-    p = torch.softmax(t, -1)
+    if top_ids is None:
+        p, argmax = torch.softmax(t, -1), t.argmax(-1)
+    else:
+        p, argmax = topk_logp(logq.exp(), top_ids, top_logp).exp(), top_ids[:, 0].long()
     ce = -logq.gather(1, labels[:, None])[:, 0]
     l1 = (logq.exp() - p).abs().sum(-1)
     accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
     top = u.detach().argmax(-1)
-    return ce, l1, accept, top == labels, top == t.argmax(-1)
+    return ce, l1, accept, top == labels, top == argmax
 
 
 def dspark_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
@@ -81,7 +88,9 @@ def dspark_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
     parts = []
     for s in range(0, R, max(1, fb.loss_chunk)):
         sl = slice(s, min(R, s + max(1, fb.loss_chunk)))
-        args = (h[sl], None if mf is None else mf[sl], w2, labels.reshape(-1)[sl], idx.reshape(-1)[sl] - 1)
+        tpos = idx.reshape(-1)[sl] - 1
+        top = (None, None) if fb.topk is None else (fb.topk[0][tpos], fb.topk[1][tpos])
+        args = (h[sl], None if mf is None else mf[sl], w2, labels.reshape(-1)[sl], tpos, *top)
         fn = lambda *a: _chunk(*a, fb.last, d, fb.target_norm)  # noqa: E731
         grad = torch.is_grad_enabled()
         parts.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))

@@ -13,7 +13,9 @@ Contract (one microbatch; anchors by :mod:`dflash_staged.train.objective`'s rule
 * **Terms** (``ce_weight`` = ``c``), each weighted by the row weights and summed: the backbone's
   ``c x CE + (1 - c) x sum |softmax(u) - p|`` (``u`` the head's logits of the final state, ``p`` the
   target's distribution at ``a + j - 1``); the refinement over the top ``top_k`` candidates of ``u``
-  (detached), scored by ``refine(pre_j, ids[a + j - 1]) . W[c]``: ``c x`` its CE on the label when the
+  (detached), scored by ``refine(pre_j, ids[a + j - 1]) . W[c]``; with the target's top-k instead of
+  its last layer, ``p`` is :mod:`dflash_staged.model.drafters.target_dist`'s (a candidate outside the
+  top-k gets the tail's share in proportion to the drafter's own ``q``): ``c x`` its CE on the label when the
   label is a candidate (else 0) ``+ (1 - c) x`` its L1 to ``p`` renormalised over the candidates, where
   those hold more than ``candidate_mass_threshold`` of ``p``; and the alignment: ``1 - cos`` between
   every layer's feature and the label's code, summed over the layers, times ``beta x`` the batch's
@@ -32,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_staged.model.drafters.dspine.injection import refine
 from dflash_staged.model.drafters.family import FamilyBatch, FamilyRows
 from dflash_staged.model.drafters.layers import transform_logits
+from dflash_staged.model.drafters.target_dist import topk_logp
 
 
 def schedule(opts: dict, step: int, total_steps: int) -> tuple[float, float]:
@@ -48,17 +51,21 @@ def schedule(opts: dict, step: int, total_steps: int) -> tuple[float, float]:
     return beta, opts["replacement_probability"] * min(max((end - progress) / (end - hold), 0), 1)
 
 
-def _terms(h, pre, feats, labels, prev, tpos, w, drafter, last, target_norm):
+def _terms(h, pre, feats, labels, prev, tpos, w, top_ids, top_logp, drafter, last, target_norm):
     """One chunk of rows: the weighted sums (ce, l1, refinement, alignment) and the detached
-    (hits, target hits, overlap, coverage) per row."""
+    (hits, target hits, overlap, coverage) per row. The target's distribution from its last layer,
+    or (``top_ids``) from its top-k (:mod:`..target_dist`)."""
     c, o, W = drafter.dcfg, drafter.dcfg.options, drafter.lm_head_weight
-    with torch.autocast(h.device.type, enabled=False), torch.no_grad():
-        x = target_norm(last[tpos]).to(W.dtype)
-        t = transform_logits((x @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
-        p = torch.softmax(t, -1)
     u = transform_logits((h.to(W.dtype) @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
     logq = torch.log_softmax(u, -1)
     q = logq.exp()
+    with torch.autocast(h.device.type, enabled=False), torch.no_grad():
+        if top_ids is None:
+            x = target_norm(last[tpos]).to(W.dtype)
+            t = transform_logits((x @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
+            p, argmax = torch.softmax(t, -1), t.argmax(-1)
+        else:
+            p, argmax = topk_logp(q, top_ids, top_logp).exp(), top_ids[:, 0].long()
     ce = -logq.gather(1, labels[:, None])[:, 0]
     l1 = (q - p).abs().sum(-1)
     cand = u.detach().topk(min(o["top_k"], u.shape[-1]), dim=-1).indices
@@ -84,7 +91,7 @@ def _terms(h, pre, feats, labels, prev, tpos, w, drafter, last, target_norm):
     )
     top = u.detach().argmax(-1)
     rows = torch.stack(
-        [top == labels, top == t.argmax(-1), torch.minimum(p, q.detach()).sum(-1), covered.any(-1)], -1
+        [top == labels, top == argmax, torch.minimum(p, q.detach()).sum(-1), covered.any(-1)], -1
     ).float()
     return sums, rows
 
@@ -119,7 +126,8 @@ def dspine_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
     step_rows = max(1, fb.loss_chunk)
     for s in range(0, h.shape[0], step_rows):
         sl = slice(s, s + step_rows)
-        args = (h[sl], pre[sl], feats[sl], labels[sl], prev[sl], tpos[sl], wf[sl])
+        top = (None, None) if fb.topk is None else (fb.topk[0][tpos[sl]], fb.topk[1][tpos[sl]])
+        args = (h[sl], pre[sl], feats[sl], labels[sl], prev[sl], tpos[sl], wf[sl], *top)
         fn = lambda *a: _terms(*a, d, fb.last, fb.target_norm)  # noqa: E731
         a, b = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
         sums.append(a)

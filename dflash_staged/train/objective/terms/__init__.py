@@ -8,9 +8,11 @@ Contract (:mod:`dflash_staged.train.objective.head` calls :func:`combine` once p
   its position weight afterwards, so a term never sees weights or masks.
 * A :class:`Chunk` holds the drafter's logits ``u`` and, for terms on the target's distribution,
   the target's logits ``t`` (recomputed from its stored last layer with its final norm and head, and
-  the same logit transform), and computes what the terms share on first use: the drafter's and the
-  target's log-probabilities at ``train.distill_temperature`` (``q``, ``p``), the overlap
-  ``sum min(p, q)``. ``ce`` reads the data's label; every other term the target's ``t``.
+  the same logit transform) or its stored top-k (``top``: ids and log-probabilities at the
+  distillation temperature; :mod:`dflash_staged.model.drafters.target_dist` says how the tail is
+  treated), and computes what the terms share on first use: the drafter's and the target's
+  log-probabilities at ``train.distill_temperature`` (``q``, ``p``), the overlap ``sum min(p, q)``.
+  ``ce`` reads the data's label; every other term the target's distribution.
 * :func:`combine` sums the weighted terms of ``train.loss``. Adding a term: a module here with a
   function decorated ``@term("name", needs_target=...)``, imported below, and its name in
   :data:`dflash_staged.config.train_section.LOSS_TERMS` (the config refuses other names; a test holds
@@ -27,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from dflash_staged.errors import DflashError
+from dflash_staged.model.drafters.target_dist import topk_logp
 
 
 class Chunk:
@@ -41,12 +44,14 @@ class Chunk:
         t: torch.Tensor | None = None,
         temperature: float = 1.0,
         lk_eta: float = 3.0,
+        top: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         self.u, self.labels, self.t, self.T, self.lk_eta = u, labels, t, float(temperature), float(lk_eta)
+        self.top = top  # (ids [c, k], log-probabilities [c, k]) of the target at T, instead of t
 
-    def needs_target(self, name: str) -> torch.Tensor:
-        if self.t is None:
-            raise DflashError(f"train.loss term {name!r} needs the target's logits, and none were given")
+    def needs_target(self, name: str) -> torch.Tensor | None:
+        if self.t is None and self.top is None:
+            raise DflashError(f"train.loss term {name!r} needs the target's distribution, and none was given")
         return self.t
 
     # -- the drafter at temperature 1 (cross-entropy) -------------------------------------------------
@@ -60,7 +65,8 @@ class Chunk:
 
     @cached_property
     def target_ids(self) -> torch.Tensor:
-        return self.needs_target("ce_target").argmax(-1)
+        t = self.needs_target("ce_target")
+        return self.top[0][:, 0].long() if t is None else t.argmax(-1)
 
     # -- both distributions at the distillation temperature -------------------------------------------
     @cached_property
@@ -75,7 +81,10 @@ class Chunk:
 
     @cached_property
     def logp(self) -> torch.Tensor:
-        return torch.log_softmax(self.needs_target("a distribution term") / self.T, -1)
+        t = self.needs_target("a distribution term")
+        if t is None:
+            return topk_logp(self.q, *self.top)
+        return torch.log_softmax(t / self.T, -1)
 
     @cached_property
     def p(self) -> torch.Tensor:
