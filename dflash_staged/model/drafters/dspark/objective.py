@@ -18,20 +18,19 @@ DeepSpec's: ``loss_mask`` on the anchor and on the next token):
   divides each by the same weight sum; the trainer divides the step's sum by its total weight, the
   same thing. The confidence head's gradient reaches the backbone and the Markov embedding, as in
   the reference.
-* **Memory.** The head runs over ``loss_chunk`` rows at a time, each chunk recomputed in the backward
-  (:func:`torch.utils.checkpoint.checkpoint`): no ``[rows, V]`` tensor outlives its chunk.
+* **Memory and cost.** The head runs over ``loss_chunk`` rows at a time with its gradients formed in
+  the same pass (:mod:`dflash_staged.model.drafters.distill_head`): no ``[rows, V]`` tensor outlives
+  its chunk, and nothing is recomputed.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from dflash_staged.model.drafters.distill_head import HeadInputs, distill_head
 from dflash_staged.model.drafters.dspark.heads import confidence_logits
 from dflash_staged.model.drafters.family import FamilyBatch, FamilyRows
-from dflash_staged.model.drafters.layers import transform_logits
-from dflash_staged.model.drafters.target_dist import topk_logp
 
 
 def block_rows(fb: FamilyBatch, B: int):
@@ -47,29 +46,6 @@ def block_rows(fb: FamilyBatch, B: int):
     return torch.where(valid, ids[idxc], 0), valid, prev, idxc
 
 
-def _chunk(h, m, w2, labels, tpos, top_ids, top_logp, last, drafter, target_norm):
-    """One chunk of rows: (ce, l1, acceptance (detached), hits, target hits). The target's
-    distribution from its last layer, or (``top_ids``) from its top-k (:mod:`..target_dist`)."""
-    c, W = drafter.dcfg, drafter.lm_head_weight
-    with torch.autocast(h.device.type, enabled=False):
-        u = transform_logits((h.to(W.dtype) @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
-        if m is not None:
-            u = u + (m.to(w2.dtype) @ w2.t()).float()
-        if top_ids is None:
-            x = target_norm(last[tpos]).to(W.dtype)
-            t = transform_logits((x @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
-    logq = torch.log_softmax(u, -1)
-    if top_ids is None:
-        p, argmax = torch.softmax(t, -1), t.argmax(-1)
-    else:
-        p, argmax = topk_logp(logq.exp(), top_ids, top_logp).exp(), top_ids[:, 0].long()
-    ce = -logq.gather(1, labels[:, None])[:, 0]
-    l1 = (logq.exp() - p).abs().sum(-1)
-    accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
-    top = u.detach().argmax(-1)
-    return ce, l1, accept, top == labels, top == argmax
-
-
 def dspark_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
     d = fb.drafter
     o, B = d.dcfg.options, d.block_size
@@ -83,20 +59,16 @@ def dspark_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
         m, e = head.latents(prev, out)
     conf = confidence_logits(d, out, e)
     R, H = valid.numel(), out.shape[-1]
-    h, mf = out.reshape(R, H), None if m is None else m.reshape(R, -1)
+    c = d.dcfg
+    x = HeadInputs(
+        d.lm_head_weight, labels.reshape(-1), w.reshape(-1), idx.reshape(-1) - 1, fb.last, fb.target_norm,
+        fb.topk, c.output_multiplier, c.final_logit_softcapping, o["ce_weight"], o["l1_weight"],
+        max(1, fb.loss_chunk),
+    )  # fmt: skip
     w2 = head.markov_w2.weight if head is not None else None
-    parts = []
-    for s in range(0, R, max(1, fb.loss_chunk)):
-        sl = slice(s, min(R, s + max(1, fb.loss_chunk)))
-        tpos = idx.reshape(-1)[sl] - 1
-        top = (None, None) if fb.topk is None else (fb.topk[0][tpos], fb.topk[1][tpos])
-        args = (h[sl], None if mf is None else mf[sl], w2, labels.reshape(-1)[sl], tpos, *top)
-        fn = lambda *a: _chunk(*a, fb.last, d, fb.target_norm)  # noqa: E731
-        grad = torch.is_grad_enabled()
-        parts.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
-    ce, l1, accept, hits, t_hits = (torch.cat(x).view(valid.shape) for x in zip(*parts))
+    total, *per_row = distill_head(out.reshape(R, H), None if m is None else m.reshape(R, -1), w2, x)
+    ce, l1, accept, hits, t_hits = (v.view(valid.shape) for v in per_row[:5])
     ce_sum, l1_sum = (w * ce).sum(), (w * l1).sum()
-    total = o["ce_weight"] * ce_sum + o["l1_weight"] * l1_sum
     extra = {"dspark_ce_sum": ce_sum.detach(), "dspark_l1_sum": l1_sum.detach()}
     if conf is not None:
         bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
