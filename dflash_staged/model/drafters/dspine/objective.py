@@ -22,7 +22,10 @@ Contract (one microbatch; anchors by :mod:`dflash_staged.train.objective`'s rule
   weighted-mean CE (detached). SpecForge takes that CE over the optimizer step's whole window on all
   ranks (a pre-pass); here it is the microbatch's own, which is the same when a step is one
   microbatch on one rank.
-* **Memory.** The head's terms run over ``loss_chunk`` rows at a time, recomputed in the backward.
+* **Memory and cost.** The backbone's terms and the candidates come from
+  :mod:`dflash_staged.model.drafters.distill_head` (chunked, gradients formed in the same pass, no
+  ``[rows, V]`` tensor kept); the refinement and alignment run over ``loss_chunk`` rows at a time,
+  recomputed in the backward (only the candidates' head rows, nothing vocabulary-sized).
 """
 
 from __future__ import annotations
@@ -31,10 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_staged.model.drafters.distill_head import HeadInputs, distill_head
 from dflash_staged.model.drafters.dspine.injection import refine
 from dflash_staged.model.drafters.family import FamilyBatch, FamilyRows
-from dflash_staged.model.drafters.layers import transform_logits
-from dflash_staged.model.drafters.target_dist import topk_logp
 
 
 def schedule(opts: dict, step: int, total_steps: int) -> tuple[float, float]:
@@ -51,49 +53,23 @@ def schedule(opts: dict, step: int, total_steps: int) -> tuple[float, float]:
     return beta, opts["replacement_probability"] * min(max((end - progress) / (end - hold), 0), 1)
 
 
-def _terms(h, pre, feats, labels, prev, tpos, w, top_ids, top_logp, drafter, last, target_norm):
-    """One chunk of rows: the weighted sums (ce, l1, refinement, alignment) and the detached
-    (hits, target hits, overlap, coverage) per row. The target's distribution from its last layer,
-    or (``top_ids``) from its top-k (:mod:`..target_dist`)."""
-    c, o, W = drafter.dcfg, drafter.dcfg.options, drafter.lm_head_weight
-    u = transform_logits((h.to(W.dtype) @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
-    logq = torch.log_softmax(u, -1)
-    q = logq.exp()
-    with torch.autocast(h.device.type, enabled=False), torch.no_grad():
-        if top_ids is None:
-            x = target_norm(last[tpos]).to(W.dtype)
-            t = transform_logits((x @ W.t()).float(), c.output_multiplier, c.final_logit_softcapping)
-            p, argmax = torch.softmax(t, -1), t.argmax(-1)
-        else:
-            p, argmax = topk_logp(q, top_ids, top_logp).exp(), top_ids[:, 0].long()
-    ce = -logq.gather(1, labels[:, None])[:, 0]
-    l1 = (q - p).abs().sum(-1)
-    cand = u.detach().topk(min(o["top_k"], u.shape[-1]), dim=-1).indices
+def _refinement(pre, feats, labels, prev, w, cand, p_cand, drafter):
+    """One chunk of rows: the weighted refinement and alignment sums, and whether the label is a
+    candidate. Nothing vocabulary-sized: the candidates' head rows only."""
+    o, W = drafter.dcfg.options, drafter.lm_head_weight
     refined = refine(drafter, pre, prev)
     scores = torch.einsum("rh,rkh->rk", refined.to(W.dtype), F.embedding(cand, W)).float()
     logr = torch.log_softmax(scores, -1)
-    mass_p = p.gather(1, cand)
-    mass = mass_p.sum(-1)
+    mass = p_cand.sum(-1)
     covered = cand == labels[:, None]
     r_ce = -(logr * covered).sum(-1)
-    r_l1 = (logr.exp() - mass_p / mass[:, None].clamp_min(1e-30)).abs().sum(-1)
+    r_l1 = (logr.exp() - p_cand / mass[:, None].clamp_min(1e-30)).abs().sum(-1)
     r_l1 = r_l1 * (mass > o["candidate_mass_threshold"])
     code = F.embedding(labels, drafter.transfer_codes).float()
     align = 1 - F.cosine_similarity(feats.float(), code[:, None, :], dim=-1)  # [rows, L]
     cw = o["ce_weight"]
-    sums = torch.stack(
-        [
-            (w * ce).sum(),
-            (w * l1).sum(),
-            (w * (cw * r_ce + (1 - cw) * r_l1)).sum(),
-            (w[:, None] * align).sum(),
-        ]
-    )
-    top = u.detach().argmax(-1)
-    rows = torch.stack(
-        [top == labels, top == argmax, torch.minimum(p, q.detach()).sum(-1), covered.any(-1)], -1
-    ).float()
-    return sums, rows
+    sums = torch.stack([(w * (cw * r_ce + (1 - cw) * r_l1)).sum(), (w[:, None] * align).sum()])
+    return sums, covered.any(-1)
 
 
 def dspine_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
@@ -116,35 +92,42 @@ def dspine_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
     state = {"block_tokens": tokens, "replace": replace}
     out = d.forward_train(fb.taps, ids, cu, anchors, attention=fb.attention, state=state)
     rec = state["record"]
-    H, P = out.shape[-1], B - 1
+    H = out.shape[-1]
     h = out[:, 1:].reshape(-1, H)
     pre = rec["pre"][:, 1:].reshape(-1, H)
     feats = torch.stack(rec["features"], 1)[:, :, 1:].transpose(1, 2).reshape(h.shape[0], len(d.layers), -1)
     labels, prev = tokens[:, 1:].reshape(-1), tokens[:, :-1].reshape(-1)
     tpos, wf = (idxc[:, 1:] - 1).clamp(min=0).reshape(-1), w.reshape(-1)
-    sums, rows = [], []
+    c, cw = d.dcfg, o["ce_weight"]
+    x = HeadInputs(
+        d.lm_head_weight, labels, wf, tpos, fb.last, fb.target_norm, fb.topk, c.output_multiplier,
+        c.final_logit_softcapping, cw, 1 - cw, max(1, fb.loss_chunk), cand_k=o["top_k"],
+    )  # fmt: skip
+    backbone, ce, l1, overlap, hits, t_hits, cand, p_cand = distill_head(h, None, None, x)
+    sums, covered = [], []
     step_rows = max(1, fb.loss_chunk)
     for s in range(0, h.shape[0], step_rows):
         sl = slice(s, s + step_rows)
-        top = (None, None) if fb.topk is None else (fb.topk[0][tpos[sl]], fb.topk[1][tpos[sl]])
-        args = (h[sl], pre[sl], feats[sl], labels[sl], prev[sl], tpos[sl], wf[sl], *top)
-        fn = lambda *a: _terms(*a, d, fb.last, fb.target_norm)  # noqa: E731
+        args = (pre[sl], feats[sl], labels[sl], prev[sl], wf[sl], cand[sl], p_cand[sl])
+        fn = lambda *a: _refinement(*a, d)  # noqa: E731
         a, b = checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
         sums.append(a)
-        rows.append(b)
-    ce, l1, refinement, alignment = torch.stack(sums).sum(0)
+        covered.append(b)
+    refinement, alignment = torch.stack(sums).sum(0)
+    ce, l1 = (wf * ce).sum(), (wf * l1).sum()
     wsum = w.sum()
-    scale = beta * (ce.detach() / wsum.clamp_min(1e-12))
-    cw = o["ce_weight"]
-    total = cw * ce + (1 - cw) * l1 + refinement + scale * alignment
-    r = torch.cat(rows).view(-1, P, 4)
+    scale = beta * (ce / wsum.clamp_min(1e-12))
+    total = backbone + refinement + scale * alignment
+    shape = valid.shape
+    cov = torch.cat(covered).view(shape)
     extra = {
-        "dspine_ce_sum": ce.detach(),
-        "dspine_l1_sum": l1.detach(),
+        "dspine_ce_sum": ce,
+        "dspine_l1_sum": l1,
         "dspine_refinement_sum": refinement.detach(),
         "dspine_alignment_sum": alignment.detach(),
-        "dspine_covered": (r[..., 3] * valid).sum(),
+        "dspine_covered": (cov * valid).sum(),
         "dspine_counted": valid.sum().float(),
     }
-    out_rows = FamilyRows(wsum, total.detach(), r[..., 0].bool(), valid, r[..., 1].bool(), r[..., 2], extra)
+    view = lambda v: v.view(shape)  # noqa: E731
+    out_rows = FamilyRows(wsum, total.detach(), view(hits), valid, view(t_hits), view(overlap), extra)
     return total, out_rows
