@@ -59,12 +59,39 @@ def toml_value(v) -> str:
     return json.dumps(v)
 
 
+OWN_KEYS = ("init_from", "manifest", "store", "steps")  # a setting's keys that are not --set overrides
+
+
 def sets(overrides: dict) -> list[str]:
-    """``--set`` flags; the key ``init_from`` (a run directory) becomes ``--init-from``."""
-    flags = [x for k, v in overrides.items() if k != "init_from" for x in ("--set", f"{k}={toml_value(v)}")]
+    """``--set`` flags; the key ``init_from`` (a run directory) becomes ``--init-from``; ``manifest`` and
+    ``store`` replay another kept store, ``steps`` fixes the steps (no probe, no budget)."""
+    flags = [x for k, v in overrides.items() if k not in OWN_KEYS for x in ("--set", f"{k}={toml_value(v)}")]
     return flags + (
         ["--init-from", str(Path(overrides["init_from"]).resolve())] if "init_from" in overrides else []
     )
+
+
+def peak_rss(args, env: dict) -> tuple[subprocess.CompletedProcess, int]:
+    """``dflash ARGS`` to completion and its peak resident memory in bytes (VmHWM, polled)."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "dflash_staged", *map(str, args)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+    peak = 0
+    status = Path(f"/proc/{p.pid}/status")
+    while p.poll() is None:
+        try:
+            line = next(x for x in status.read_text().splitlines() if x.startswith("VmHWM:"))
+            peak = max(peak, int(line.split()[1]) * 1024)
+        except (OSError, StopIteration):
+            pass
+        time.sleep(0.5)
+    out, err = p.communicate()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err), peak
 
 
 def step_seconds(metrics: Path) -> float:
@@ -77,9 +104,9 @@ def run_point(i: int, overrides: dict, a, work: Path) -> dict:
         "train",
         "--replay",
         "--manifest",
-        a.manifest,
+        Path(overrides.get("manifest", a.manifest)).resolve(),
         "--store",
-        a.store,
+        Path(overrides.get("store", a.store)).resolve(),
         "--device",
         "cpu",
         "--passes",
@@ -88,28 +115,40 @@ def run_point(i: int, overrides: dict, a, work: Path) -> dict:
     ]
     env = {"OMP_NUM_THREADS": str(a.threads)}
     probe = work / f"probe{i}"
-    r = dflash(
-        *base, "--out", probe, "--max-steps", a.probe_steps, "--set", "train.checkpoint_every=100000", env=env
-    )
-    if r.returncode:
-        raise SystemExit(f"setting {overrides}: the probe failed:\n{r.stderr[-2000:]}")
-    step_s = step_seconds(probe / "metrics.jsonl")
-    steps = max(a.probe_steps, int(a.budget_s / step_s))
+    if "steps" in overrides:
+        step_s, steps = None, int(overrides["steps"])
+    else:
+        r = dflash(
+            *base,
+            "--out",
+            probe,
+            "--max-steps",
+            a.probe_steps,
+            "--set",
+            "train.checkpoint_every=100000",
+            env=env,
+        )
+        if r.returncode:
+            raise SystemExit(f"setting {overrides}: the probe failed:\n{r.stderr[-2000:]}")
+        step_s = step_seconds(probe / "metrics.jsonl")
+        steps = max(a.probe_steps, int(a.budget_s / step_s))
     run = work / f"run{i}"
     t0 = time.perf_counter()
-    r = dflash(
-        *base,
-        "--out",
-        run,
-        "--max-steps",
-        steps,
-        "--total-steps",
-        steps,
-        "--set",
-        f"train.warmup_ratio={min(0.3, 30 / steps):.4f}",
-        "--set",
-        "train.checkpoint_every=100000",
-        env=env,
+    r, rss = peak_rss(
+        [
+            *base,
+            "--out",
+            run,
+            "--max-steps",
+            steps,
+            "--total-steps",
+            steps,
+            "--set",
+            f"train.warmup_ratio={min(0.3, 30 / steps):.4f}",
+            "--set",
+            "train.checkpoint_every=100000",
+        ],
+        env,
     )
     train_s = time.perf_counter() - t0
     if r.returncode:
@@ -155,7 +194,9 @@ def run_point(i: int, overrides: dict, a, work: Path) -> dict:
         "by_temperature": by_t,
         "train_walk_tau_end": round(statistics.mean(walk), 3) if walk else None,
         "overrides": overrides,
-        "probe_step_s": round(step_s, 3),
+        "probe_step_s": None if step_s is None else round(step_s, 3),
+        "step_s": round(step_seconds(run / "metrics.jsonl"), 3),
+        "peak_rss_bytes": rss,
         "steps": done,
         "train_s": round(train_s, 1),
         "tau": ev["tau"],

@@ -11,6 +11,8 @@ import torch
 from dflash_staged.errors import DflashError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# [extract] store_dtype: the shards' hidden states in the target's dtype, or FP8 (dflash_staged.store.fp8)
+STORE_DTYPES = ("target", "float8_e4m3fn")
 
 
 def torch_dtype(name: str, what: str = "dtype") -> torch.dtype:

@@ -54,8 +54,9 @@ def memory_cmd(config_path, device_gib, target_dims, sets):
     target = cfg.train.needs_target or d.family.needs_target
     topk = 0 if cfg.target.store_last_layer else cfg.target.store_topk
     est = estimate(
-        drafter, cfg.train, torch.device("cuda"), int(device_gib * 2**30), target_logits=target, topk=topk
-    )
+        drafter, cfg.train, torch.device("cuda"), int(device_gib * 2**30), target_logits=target, topk=topk,
+        fp8=cfg.extract.store_dtype != "target",
+    )  # fmt: skip
     rows = row_budget(est, cfg.train, drafter.block_size)
     params = sum(p.numel() for p in drafter.parameters())
     route = (

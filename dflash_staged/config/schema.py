@@ -17,6 +17,7 @@ from typing import Any
 
 from dflash_staged.config.checks import ConfigError, _check
 from dflash_staged.config.train_section import ATTENTION_CHOICES, LOSS_TERMS, TARGET_TERMS, TrainConfig
+from dflash_staged.dtypes import STORE_DTYPES
 
 __all__ = ["ATTENTION_CHOICES", "LOSS_TERMS", "TARGET_TERMS", "ConfigError", "TrainConfig"]
 
@@ -261,9 +262,16 @@ class ExtractConfig:
     registration_liveness_s: float = 0.0
     max_attempts: int = 3  # a job whose extraction failed this many times is marked failed, not retried
     compression: str = "none"  # compression of the shards' tensors: none | zstd
+    # The hidden states' precision in the shards: "target" (the target's dtype) or "float8_e4m3fn" (one
+    # byte a value and a float32 scale per token and layer: about half the bytes; store/fp8.py).
+    store_dtype: str = "target"
 
     def __post_init__(self) -> None:
         _check(self.window >= 1, f"extract.window={self.window}: must be >= 1")
+        _check(
+            self.store_dtype in STORE_DTYPES,
+            f"extract.store_dtype={self.store_dtype!r}: use one of {', '.join(map(repr, STORE_DTYPES))}",
+        )
         _check(self.window_bytes >= 0, "extract.window_bytes must be >= 0 (0 = unlimited)")
         _check(self.lease_s > 0, "extract.lease_s must be > 0")
         for key in ("collective_timeout_s", "registration_liveness_s"):
@@ -312,7 +320,9 @@ class Config:
         if not target.get("store_topk"):  # likewise
             target.pop("store_topk", None)
             target.pop("topk_temperature", None)
+        fp8 = d["extract"]["store_dtype"] != "target"  # a plan at the default keeps its hash
         keep = {
+            **({"store_dtype": d["extract"]["store_dtype"]} if fp8 else {}),
             "target": target,
             "data": d["data"],
             "drafter": {

@@ -116,7 +116,9 @@ def shard_bytes_max(m: Manifest, opts: ExtractOptions) -> int:
         )
         dtype = resolve_dtype(opts.dtype or cfg.target.dtype, opts.devices[0])
         stored = len(layers) + (1 if cfg.target.store_last_layer else 0)  # + the last layer, when stored
-        bpt = bytes_per_token(stored, dims.hidden_size, dtype.itemsize, cfg.target.store_topk)
+        bpt = bytes_per_token(
+            stored, dims.hidden_size, dtype.itemsize, cfg.target.store_topk, cfg.extract.store_dtype
+        )
     return max((j.real_tokens for j in m.jobs()), default=0) * bpt
 
 

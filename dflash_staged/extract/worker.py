@@ -6,12 +6,12 @@ Each worker loops (see :mod:`dflash_staged.extract.supervisor` for the process m
    (:meth:`~dflash_staged.manifest.Manifest.claim`); while the window is full it waits (the seconds
    it spends busy, on a full window or with nothing to claim go to the supervisor:
    :class:`~dflash_staged.extract.messages.Stopwatch`);
-2. keep its lease alive from a heartbeat thread (:class:`Lease`);
+2. keep its lease alive from a heartbeat thread (:class:`~dflash_staged.extract.claims.Lease`);
 3. build the right-padded batch, run the early-stopped forward
    (:meth:`dflash_staged.model.target.Target.capture`), drop the padding;
 4. hand the tensors to the background :class:`~dflash_staged.extract.writer.ShardWriter`
    (device-to-host copy into pinned memory on a side stream on CUDA), which stages the shard
-   under a temporary name; :class:`Publisher` then publishes it: the rename into place and
+   under a temporary name; :class:`~dflash_staged.extract.claims.Publisher` publishes it: the rename and
    ``claimed -> written`` happen in one manifest transaction, only if this attempt still holds
    the claim, so a worker that lost its claim never overwrites a newer shard.
 
@@ -43,6 +43,7 @@ import torch
 from dflash_staged.config import Config
 from dflash_staged.dtypes import dtype_name
 from dflash_staged.errors import DflashError
+from dflash_staged.extract.claims import Lease, Publisher
 from dflash_staged.extract.forward import (
     NONFINITE_ATTEMPTS,
     RankFailed,
@@ -58,118 +59,11 @@ from dflash_staged.extract.forward import (
 from dflash_staged.extract.group import Group, GroupBroken, follow
 from dflash_staged.extract.messages import JobError, Stopwatch, WorkerError
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, EXIT_RESTART, ExtractOptions
-from dflash_staged.manifest import Job, Manifest
+from dflash_staged.manifest import Manifest
 from dflash_staged.procs import die_with_parent
-from dflash_staged.store import ShardStore, StoreFullError, StoreMeta, bytes_per_token
+from dflash_staged.store import ShardStore, StoreFullError, StoreMeta
 
 POLL_S = 0.2
-
-
-class Lease(threading.Thread):
-    """Extends the leases of held jobs (being computed or waiting to be published) every lease_s / 3."""
-
-    def __init__(self, opts: ExtractOptions):
-        super().__init__(daemon=True, name="lease")
-        self.opts = opts
-        self.jobs: dict[int, Job] = {}
-        self.lost: set[int] = set()
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-
-    def hold(self, job: Job) -> None:
-        with self.lock:
-            self.jobs[job.id] = job
-            self.lost.discard(job.id)
-
-    def drop(self, job: Job) -> None:
-        with self.lock:
-            self.jobs.pop(job.id, None)
-
-    def is_lost(self, job: Job) -> bool:
-        with self.lock:
-            return job.id in self.lost
-
-    def held(self) -> list[Job]:
-        with self.lock:
-            return list(self.jobs.values())
-
-    def start(self) -> None:
-        self._m = Manifest.open(self.opts.manifest)  # here, so that a bad manifest fails the worker's start
-        super().start()
-
-    def run(self) -> None:
-        m = self._m
-        try:
-            while not self.stop.wait(max(0.05, self.opts.lease_s / 3)):
-                for job in self.held():
-                    if not m.extend_lease(job, self.opts.lease_s):
-                        with self.lock:
-                            self.lost.add(job.id)
-        except DflashError:  # the manifest is gone for good (its server, for longer than the retry bound)
-            with self.lock:
-                self.lost.update(self.jobs)
-        finally:
-            m.close()
-
-
-class Publisher:
-    """Hands shards to the background writer and publishes each one under its claim when staged."""
-
-    def __init__(self, opts: ExtractOptions, store: ShardStore, lease: Lease, max_pending: int = 1):
-        from dflash_staged.extract.writer import ShardWriter
-
-        self.opts, self.store, self.lease = opts, store, lease
-        self.writer = ShardWriter(store, max_pending=max_pending, stage_only=True)
-        self._m = Manifest.open(
-            opts.manifest
-        )  # the writer thread's own handle (opened now: it may not open later)
-
-    @property
-    def error(self) -> BaseException | None:
-        return self.writer.error
-
-    def submit(
-        self, job: Job, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids, topk=None
-    ) -> None:
-        if self.writer.error is not None:
-            raise self.writer.error
-        self.writer.submit(
-            job.epoch,
-            job.id,
-            hidden,
-            input_ids,
-            loss_mask,
-            cu_seqlens,
-            sample_ids,
-            on_done=lambda result, job=job: self._done(job, result),
-            topk=topk,
-        )
-
-    def _done(self, job: Job, result) -> None:  # runs on the writer thread
-        try:
-            if isinstance(result, StoreFullError):
-                self._m.give_back(job, f"disk full: {result}")
-            elif isinstance(result, BaseException):
-                self._m.fail(job, f"write failed: {type(result).__name__}: {result}", self.opts.max_attempts)
-            elif not self._m.publish(
-                job, result.info.nbytes, result.info.checksum, commit=lambda: self.store.commit_staged(result)
-            ):
-                self.store.discard_staged(result)  # the claim was lost: never publish
-                print(
-                    f"extract: job {job.id}: this worker's claim was lost (lease expired, the job went to "
-                    "another worker); its shard was discarded",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        finally:
-            self.lease.drop(job)
-
-    def close(self) -> None:
-        """Wait for every submitted shard; re-raise the first write error."""
-        try:
-            self.writer.close()
-        finally:
-            self._m.close()
 
 
 def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardStore:
@@ -184,9 +78,10 @@ def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardS
         last_layer=target.last_layer,
         topk=target.topk,
         topk_temperature=target.topk_temperature,
+        store_dtype=cfg.extract.store_dtype,
     )
     store = ShardStore.create_or_open(store_root, meta)
-    bpt = bytes_per_token(len(target.stored_ids), target.hidden_size, target.dtype.itemsize, target.topk)
+    bpt = store.bytes_per_token
     if m.meta.get("bytes_per_token") != bpt:
         m.set_meta("bytes_per_token", bpt)
     if m.meta.get("layer_ids") in (None, []):

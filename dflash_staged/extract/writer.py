@@ -75,17 +75,21 @@ class ShardWriter:
         sample_ids: torch.Tensor,
         on_done: OnDone,
         topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        hidden_scale: torch.Tensor | None = None,
     ) -> None:
-        """Queue one shard (``topk``: the target's top-k ids and log-probabilities, for a store with them)."""
+        """Queue one shard (``topk``: the target's top-k ids and log-probabilities, for a store with them;
+        ``hidden_scale``: the scales of FP8 ``hidden``, :mod:`dflash_staged.store.fp8`)."""
         if self._closed:
             raise RuntimeError("ShardWriter.submit after close")
         self._slots.acquire()
         try:
             tensors = [hidden, input_ids, loss_mask, cu_seqlens, sample_ids] + list(topk or ())
+            tensors += [] if hidden_scale is None else [hidden_scale]
+            extra = (bool(topk), hidden_scale is not None)
             event, buf = None, None
             if any(t.is_cuda for t in tensors):
                 tensors, event, buf = self._to_host(tensors)
-            self._queue.put((epoch, job_id, tensors, event, buf, on_done))
+            self._queue.put((epoch, job_id, tensors, extra, event, buf, on_done))
         except BaseException:
             self._slots.release()
             raise
@@ -120,14 +124,15 @@ class ShardWriter:
             item = self._queue.get()
             if item is None:
                 return
-            epoch, job_id, tensors, event, buf, on_done = item
+            epoch, job_id, tensors, (has_topk, has_scale), event, buf, on_done = item
             try:
                 if event is not None:
                     event.synchronize()
                 try:
-                    top = tuple(tensors[5:]) or None
+                    top = tuple(tensors[5:7]) if has_topk else None
+                    scale = tensors[-1] if has_scale else None
                     result: ShardInfo | StagedShard | BaseException = self._write(
-                        epoch, job_id, *tensors[:5], topk=top
+                        epoch, job_id, *tensors[:5], topk=top, hidden_scale=scale
                     )
                 except BaseException as e:  # noqa: BLE001 - handed to on_done and close()
                     result = e

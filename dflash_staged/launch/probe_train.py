@@ -64,7 +64,17 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
     if dev.type == "cuda":
         data = [pinned(s) for s in data]
     norm = target_norm_for(cfg, store, dev)
-    model = DrafterModel(build_drafter(cfg, store, dev), cfg.train, dev, 0, norm, store_topk=store.meta.topk)
+    drafter = build_drafter(cfg, store, dev)
+    model = DrafterModel(
+        drafter,
+        cfg.train,
+        dev,
+        0,
+        norm,
+        store_topk=store.meta.topk,
+        hidden_dtype=store.torch_dtype,
+        fp8=store.meta.fp8,
+    )
     optim = Optimizer(model.params, cfg.train, Dist(dev))
     t = SimpleNamespace(cfg=cfg, model=model)
     per_step = max(1, cfg.train.grad_accum)

@@ -104,12 +104,23 @@ class SharedQueries:
             "samples": int(m["n_samples"]),
             "target_id": m["target_id"],
             "layer_ids": m["layer_ids"],
+            "store": self.store_sizes(),
             "requeued": self.requeue_reasons(),
             "failed": [{"id": j.id, "error": e} for j, e in self.failed_errors()],
             "processes": [{"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank} for p in procs],
             "hosts": self.hosts(),
             "balance": self.balance(procs),
             "nodes": self.nodes(procs),
+        }
+
+    def store_sizes(self) -> dict[str, Any]:
+        """The shards' bytes a token (recorded by extract; 0 before) and what they hold, from the plan."""
+        t, e = self.config.target, self.config.extract
+        return {
+            "bytes_per_token": int(self.meta.get("bytes_per_token") or 0),
+            "store_dtype": e.store_dtype,
+            "last_layer": bool(t.store_last_layer),
+            "topk": int(t.store_topk),
         }
 
     def hosts(self) -> list[dict[str, Any]]:

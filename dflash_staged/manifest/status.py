@@ -29,10 +29,23 @@ def format_status(st: dict) -> str:
         f"{human_bytes(win['bytes'])}; extract {'done' if st['extract_done'] else 'running'}; "
         f"padding waste {st['padding_waste']:.2%}"
     )
+    rows += format_store(st.get("store"))
     rows += format_hosts(st.get("hosts", []))
     rows += format_balance(st.get("balance"))
     rows += format_nodes(st.get("nodes"))
     return "\n".join(rows)
+
+
+def format_store(store: dict | None) -> list[str]:
+    """The shards' bytes a token and what they hold (once extract has recorded the figure)."""
+    if not store or not store["bytes_per_token"]:
+        return []
+    held = [
+        "hidden states in FP8" if store["store_dtype"] != "target" else "hidden states in the target's dtype"
+    ]
+    held += ["the last layer"] if store["last_layer"] else []
+    held += [f"the target's top-{store['topk']}"] if store["topk"] else []
+    return [f"store: {store['bytes_per_token']:,} B a token ({', '.join(held)})"]
 
 
 def format_nodes(nodes: dict | None) -> list[str]:

@@ -60,10 +60,13 @@ def plan_manifest(
         if existed
         else f"planned {where}"
     )
+    from dflash_staged.plan.store_size import store_line
+
+    summary = format_plan_summary(
+        samples, plan, str(data_path), cfg.data.max_len, cfg.min_loss_tokens, layer_ids
+    )
     return (
-        head
-        + "\n"
-        + format_plan_summary(samples, plan, str(data_path), cfg.data.max_len, cfg.min_loss_tokens, layer_ids)
+        head + "\n" + summary + "\n  " + store_line(cfg, dims.hidden_size, len(layer_ids), plan.tokens_real)
     )
 
 

@@ -69,6 +69,7 @@ def show_data(
     return {
         "data": str(data_path),
         "config": str(config_path),
+        "store": _store(cfg, int(lengths.sum())),
         "stats": samples.stats,
         "bad_examples": samples.bad_examples,
         "max_len": cfg.data.max_len,
@@ -86,6 +87,21 @@ def show_data(
         "samples": shown,
         "not_found": [n for n in (lines or []) if n not in where],
     }
+
+
+def _store(cfg, tokens: int) -> str | None:
+    """The store line for all of the data's tokens, when the target's config is on this machine."""
+    from dflash_staged.errors import DflashError
+    from dflash_staged.model.target import resolve_layer_ids
+    from dflash_staged.model.target.dims import target_dims
+    from dflash_staged.plan.store_size import store_line
+
+    try:
+        dims = target_dims(cfg.target, local_only=True)
+    except (DflashError, OSError):
+        return None
+    taps = len(resolve_layer_ids(cfg.target, dims.num_layers, cfg.drafter.num_hidden_layers))
+    return store_line(cfg, dims.hidden_size, taps, tokens, "for the whole data, once")
 
 
 def summary_lines(r: dict) -> list[str]:
@@ -114,6 +130,7 @@ def summary_lines(r: dict) -> list[str]:
             + [f"max {ln['max']}", f"mean {ln['mean']:.1f}"]
         ),
     ]
+    out += [r["store"]] if r.get("store") else []
     out += [f"  e.g. {ex}" for ex in r["bad_examples"][:3]]
     if st.get("off_prompt"):
         from dflash_staged.chat import off_prompt_warning

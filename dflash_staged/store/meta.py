@@ -12,6 +12,7 @@ import torch
 
 from dflash_staged.dtypes import DTYPES
 from dflash_staged.errors import DflashError
+from dflash_staged.store.fp8 import FP8, SCALE_BYTES, STORE_DTYPES
 
 FORMAT_VERSION = 1
 ARRAYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens", "sample_ids")
@@ -27,11 +28,14 @@ TOKEN_BYTES = 5  # per token besides the hidden states: int32 input id + uint8 l
 TOPK_TOKEN_BYTES = 4 + 2  # a stored top-k entry: int32 id + float16 log-probability
 
 
-def bytes_per_token(num_layers: int, hidden_size: int, itemsize: int, topk: int = 0) -> int:
+def bytes_per_token(
+    num_layers: int, hidden_size: int, itemsize: int, topk: int = 0, store_dtype: str = "target"
+) -> int:
     """Shard bytes per real token: K stored states (the taps, and the last layer when stored) of
-    ``hidden_size`` values, the target's top-k (ids and log-probabilities) when stored, + id + loss
-    mask."""
-    return num_layers * hidden_size * itemsize + topk * TOPK_TOKEN_BYTES + TOKEN_BYTES
+    ``hidden_size`` values (``itemsize`` bytes each, the target's dtype; one byte and a float32 scale
+    per state in FP8), the target's top-k (ids and log-probabilities) when stored, + id + loss mask."""
+    per_state = hidden_size * itemsize if store_dtype == "target" else hidden_size + SCALE_BYTES
+    return num_layers * per_state + topk * TOPK_TOKEN_BYTES + TOKEN_BYTES
 
 
 SMALL_ARRAYS = {
@@ -41,8 +45,10 @@ SMALL_ARRAYS = {
     "sample_ids": (torch.int64, "int64"),
     "topk_ids": (torch.int32, "int32"),  # [T, k], only in a store with topk
     "topk_logprobs": (torch.float16, "float16"),  # [T, k], likewise
+    "hidden_scale": (torch.float32, "float32"),  # [T, K], only in an FP8 store
 }
 TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
+FP8_ARRAYS = ("hidden_scale",)
 
 
 class ShardError(DflashError):
@@ -89,6 +95,18 @@ class StoreMeta:
     # (the arrays topk_ids and topk_logprobs); 0 / None: not stored (and every older store).
     topk: int = 0
     topk_temperature: float | None = None
+    # The hidden states' precision on disk: "target" (logical_dtype) or "float8_e4m3fn" (with a
+    # float32 scale per token and stored layer, the array hidden_scale); every older store: "target".
+    store_dtype: str = "target"
+
+    @property
+    def fp8(self) -> bool:
+        return self.store_dtype != "target"
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The hidden array's dtype as read: the logical dtype, or float8_e4m3fn."""
+        return FP8 if self.fp8 else LOGICAL_DTYPES[self.logical_dtype][0]
 
     @property
     def stored_layers(self) -> int:
@@ -98,7 +116,7 @@ class StoreMeta:
     @property
     def arrays(self) -> tuple[str, ...]:
         """The arrays of every shard of this store, in checksum order."""
-        return ARRAYS + (TOPK_ARRAYS if self.topk else ())
+        return ARRAYS + (TOPK_ARRAYS if self.topk else ()) + (FP8_ARRAYS if self.fp8 else ())
 
     def __post_init__(self) -> None:
         self.layer_ids = [int(i) for i in self.layer_ids]
@@ -107,6 +125,8 @@ class StoreMeta:
         self.topk_temperature = float(self.topk_temperature) if self.topk else None
         if self.logical_dtype not in LOGICAL_DTYPES:
             raise ValueError(f"logical_dtype={self.logical_dtype!r}: use one of {sorted(LOGICAL_DTYPES)}")
+        if self.store_dtype not in STORE_DTYPES:
+            raise ValueError(f"store_dtype={self.store_dtype!r}: use one of {list(STORE_DTYPES)}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression={self.compression!r}: use one of {COMPRESSIONS}")
 
@@ -121,7 +141,8 @@ class ShardInfo:
 
 @dataclass
 class Shard:
-    """One job's packed samples, CPU tensors. ``hidden`` has the store's logical dtype."""
+    """One job's packed samples, CPU tensors. ``hidden`` has the store's logical dtype, or in an FP8
+    store float8_e4m3fn with ``hidden_scale`` (:mod:`dflash_staged.store.fp8`)."""
 
     epoch: int
     job_id: int
@@ -133,6 +154,7 @@ class Shard:
     nbytes: int
     topk_ids: torch.Tensor | None = None  # [T, k] int32, in a store with the target's top-k
     topk_logprobs: torch.Tensor | None = None  # [T, k] float16
+    hidden_scale: torch.Tensor | None = None  # [T, K] float32, in an FP8 store
 
     @property
     def num_tokens(self) -> int:

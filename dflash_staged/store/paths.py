@@ -22,6 +22,13 @@ class StorePaths:
         self.root = Path(root)
         self.meta = meta
         self._torch_dtype, self._hidden_zdtype = LOGICAL_DTYPES[meta.logical_dtype]
+        if meta.fp8:  # e4m3 bit patterns (zarr 3.1 has no float8)
+            self._hidden_zdtype = "uint8"
+
+    @property
+    def torch_dtype(self):
+        """The store's logical dtype (the target's), which FP8 states are dequantized into."""
+        return self._torch_dtype
 
     def shard_path(self, epoch: int, job_id: int) -> Path:
         return self.root / "shards" / f"e{int(epoch)}" / f"j{int(job_id)}"
@@ -43,7 +50,9 @@ class StorePaths:
     @property
     def bytes_per_token(self) -> int:
         m = self.meta
-        return bytes_per_token(m.stored_layers, m.hidden_size, self._torch_dtype.itemsize, m.topk)
+        return bytes_per_token(
+            m.stored_layers, m.hidden_size, self._torch_dtype.itemsize, m.topk, m.store_dtype
+        )
 
     def disk_bytes(self) -> int:
         """Bytes of all files under the store root (shards, temp leftovers, metadata)."""

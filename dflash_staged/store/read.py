@@ -36,6 +36,7 @@ class ShardReader(StorePaths):
             ok = (
                 (attrs["epoch"], attrs["job_id"]) == (int(epoch), int(job_id))
                 and attrs["logical_dtype"] == self.meta.logical_dtype
+                and attrs.get("store_dtype", "target") == self.meta.store_dtype
                 and set(attrs["arrays"]) == set(self.meta.arrays)
             )
         except FileNotFoundError:
@@ -50,7 +51,8 @@ class ShardReader(StorePaths):
             ) from None
         if not ok:
             raise ShardCorruptError(
-                f"shard {d} holds another job or dtype than its path says: re-extract the job"
+                f"shard {d} holds another job, dtype or precision than its path and store say: "
+                "re-extract the job"
             )
         return attrs
 
@@ -71,7 +73,7 @@ class ShardReader(StorePaths):
             prefetch(d / attrs["arrays"][name]["file"])
         for name in names:
             e = attrs["arrays"][name]
-            dtype = self._torch_dtype if name == "hidden" else SMALL_ARRAYS[name][0]
+            dtype = self.meta.hidden_dtype if name == "hidden" else SMALL_ARRAYS[name][0]
             t = empty_tensor(e["shape"], dtype)
             view = bytes_view(t)
             if view.size != e["raw_bytes"]:
@@ -98,4 +100,5 @@ class ShardReader(StorePaths):
             int(attrs["nbytes"]),
             out.get("topk_ids"),
             out.get("topk_logprobs"),
+            out.get("hidden_scale"),
         )

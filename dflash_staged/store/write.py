@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dflash_staged.store.cleanup import ShardCleanup
+from dflash_staged.store.fp8 import FP8, quantize
 from dflash_staged.store.meta import (
     FORMAT_VERSION,
     SMALL_ARRAYS,
@@ -59,16 +60,31 @@ class ShardWriter(ShardCleanup):
             fsync_dir(edir.parent)
         return edir
 
-    def _arrays(
-        self, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk=None
-    ) -> dict[str, torch.Tensor]:
-        k, h = self.meta.stored_layers, self.meta.hidden_size
+    def _hidden(self, hidden, scale) -> dict[str, torch.Tensor]:
+        """The hidden array (and in an FP8 store its scales): states in the logical dtype, quantized
+        here in an FP8 store, or already quantized (``hidden`` float8_e4m3fn with ``scale``)."""
+        k, h, fp8 = self.meta.stored_layers, self.meta.hidden_size, self.meta.fp8
         if hidden.dim() != 3 or hidden.shape[1] != k or hidden.shape[2] != h:
             raise ValueError(f"hidden has shape {tuple(hidden.shape)}; this store wants [T, {k}, {h}]")
-        if hidden.dtype != self._torch_dtype:
+        if hidden.dtype == FP8 and fp8:
+            if scale is None or tuple(scale.shape) != tuple(hidden.shape[:2]):
+                raise ValueError(f"FP8 hidden states need their scales [T, {k}]")
+        elif hidden.dtype != self._torch_dtype:
             raise ValueError(f"hidden is {hidden.dtype}; this store holds {self.meta.logical_dtype}")
-        t = hidden.shape[0]
+        elif scale is not None:
+            raise ValueError("hidden_scale goes with float8_e4m3fn hidden states only")
+        elif fp8:
+            hidden, scale = quantize(hidden)
         out = {"hidden": hidden.detach().to("cpu").contiguous()}
+        if fp8:
+            out["hidden_scale"] = scale.detach().to("cpu", torch.float32).contiguous()
+        return out
+
+    def _arrays(
+        self, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk=None, hidden_scale=None
+    ) -> dict[str, torch.Tensor]:
+        out = self._hidden(hidden, hidden_scale)
+        t = hidden.shape[0]
         for name, val in (
             ("input_ids", input_ids),
             ("loss_mask", loss_mask),
@@ -107,15 +123,20 @@ class ShardWriter(ShardCleanup):
                 if tuple(val.shape) != (t, k):
                     raise ValueError(f"{name} has shape {tuple(val.shape)}; this store wants [{t}, {k}]")
                 out[name] = val.to(SMALL_ARRAYS[name][0]).contiguous()
+        if self.meta.fp8:  # the checksum's order: the store's arrays (meta.arrays)
+            out["hidden_scale"] = out.pop("hidden_scale")
         return out
 
     def write_shard(
         self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids,
-        topk=None,
+        topk=None, hidden_scale=None,
     ) -> ShardInfo:  # fmt: skip
         """Publish one shard atomically (replacing an older one of the same job); return its size and
-        checksum. ``topk``: the target's (ids, log-probabilities) ``[T, k]``, in a store that holds them."""
-        staged = self.stage_shard(epoch, job_id, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk)
+        checksum. ``topk``: the target's (ids, log-probabilities) ``[T, k]``, in a store that holds them.
+        In an FP8 store ``hidden`` is quantized here, or comes quantized with ``hidden_scale``."""
+        staged = self.stage_shard(
+            epoch, job_id, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk, hidden_scale
+        )
         self.commit_staged(staged)
         return staged.info
 
@@ -136,10 +157,10 @@ class ShardWriter(ShardCleanup):
 
     def stage_shard(
         self, epoch: int, job_id: int, hidden: torch.Tensor, input_ids, loss_mask, cu_seqlens, sample_ids,
-        topk=None,
+        topk=None, hidden_scale=None,
     ) -> StagedShard:  # fmt: skip
         """Write one shard completely (files and directories fsynced) under a temporary name."""
-        arrays = self._arrays(hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk)
+        arrays = self._arrays(hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk, hidden_scale)
         try:
             edir = self._epoch_dir(epoch)
         except OSError as e:
@@ -158,9 +179,7 @@ class ShardWriter(ShardCleanup):
                 adir.mkdir()
                 write_json(
                     adir / "zarr.json",
-                    array_json(
-                        t.shape, zdtype, comp, self.meta.logical_dtype if name == "hidden" else zdtype
-                    ),
+                    array_json(t.shape, zdtype, comp, self._logical(name, zdtype)),
                     sync=False,
                 )
                 fname = chunk_file(t.dim())
@@ -191,6 +210,7 @@ class ShardWriter(ShardCleanup):
                 "num_tokens": int(arrays["hidden"].shape[0]),
                 "num_samples": int(arrays["sample_ids"].shape[0]),
                 "logical_dtype": self.meta.logical_dtype,
+                **({"store_dtype": self.meta.store_dtype} if self.meta.fp8 else {}),
                 "compression": comp,
                 "nbytes": nbytes,
                 "checksum": checksum,
@@ -207,6 +227,12 @@ class ShardWriter(ShardCleanup):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return StagedShard(tmp, ShardInfo(int(epoch), int(job_id), nbytes, checksum))
+
+    def _logical(self, name: str, zdtype: str) -> str:
+        """An array's ``logical_dtype`` attribute: what its bytes hold."""
+        if name != "hidden":
+            return zdtype
+        return self.meta.store_dtype if self.meta.fp8 else self.meta.logical_dtype
 
     def _full_error(self, epoch: int, job_id: int, arrays: dict) -> StoreFullError:
         need = self.estimate_nbytes(int(arrays["hidden"].shape[0]), int(arrays["sample_ids"].shape[0]))

@@ -49,7 +49,7 @@ def bound_host_memory(threshold: int = 1 << 20) -> None:
         pass
 
 
-PINNED_FIELDS = ("hidden", "input_ids", "loss_mask")  # what a step copies to the device
+PINNED_FIELDS = ("hidden", "input_ids", "loss_mask", "hidden_scale")  # what a step copies to the device
 
 
 def pin_by_default() -> bool:
@@ -61,7 +61,20 @@ def pin_by_default() -> bool:
 def pinned(shard):
     """``shard`` with its :data:`PINNED_FIELDS` copied into page-locked memory (raises RuntimeError
     where that is impossible: no CUDA, or the allocator refuses)."""
-    return dataclasses.replace(shard, **{k: getattr(shard, k).pin_memory() for k in PINNED_FIELDS})
+    fields = {k: getattr(shard, k, None) for k in PINNED_FIELDS}
+    return dataclasses.replace(shard, **{k: v.pin_memory() for k, v in fields.items() if v is not None})
+
+
+def ram_line(capacity: int, largest_shard: int, fp8: bool, pin: bool) -> str:
+    """The buffer's host-memory ceiling in words: ``capacity`` shards of at most ``largest_shard`` bytes
+    (read as stored: FP8 states stay one byte a value here and are dequantized on the device)."""
+    mib, gib = largest_shard / 2**20, capacity * largest_shard / 2**30
+    line = f"shard buffer: {capacity} shards x at most {mib:,.1f} MiB = {gib:,.2f} GiB of host RAM"
+    if pin:
+        line += ", about twice that page-locked"
+    if fp8:
+        line += "; FP8 states stay one byte a value until the device: about twice the shards in the RAM"
+    return line
 
 
 @dataclass

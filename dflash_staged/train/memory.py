@@ -15,8 +15,8 @@ here from the device's memory) and :func:`estimate` states the peak it expects:
   states (``hidden`` a row, kept from the forward to the backward). With
   ``train.activation_checkpointing`` a layer keeps only its input, the fp32 residual stream
   (``4 x hidden`` bytes a row), and one layer is recomputed at a time;
-* **per context token**: the taps read from the shard, the fused context and each layer's
-  context keys and values;
+* **per context token**: the taps read from the shard (and their FP8 copy and scales when the store
+  holds FP8), the fused context and each layer's context keys and values;
 * **the loss**: one ``train.loss_chunk`` of fp32 logits, their softmax and gradient
   (:data:`LOSS_BUFFERS`); with a term on the target's distribution also the target's logits (or the
   distribution formed from its top-k), both sides' log-probabilities and probabilities
@@ -104,12 +104,14 @@ def estimate(
     device_bytes: int | None = None,
     target_logits: bool = False,
     topk: int = 0,
+    fp8: bool = False,
 ) -> MemoryEstimate:
     """The estimate for ``drafter`` (its config and the sizes of its trainable and frozen tensors;
     it may live on the meta device) trained under ``t`` on ``device``, whose memory is
     ``device_bytes`` (default: the CUDA device's; none on CPU); ``target_logits``: the loss also
     recomputes the target's logits (a term on its distribution: ``train.loss``), from its last layer or,
-    with ``topk``, from its stored top-k (read beside the taps instead of the last layer)."""
+    with ``topk``, from its stored top-k (read beside the taps instead of the last layer); ``fp8``: the
+    states arrive in FP8 and are dequantized on the device (their one-byte copy and scales too)."""
     c = drafter.dcfg
     cuda = device.type == "cuda"
     act = 2 if cuda else 4  # bf16 autocast on CUDA, fp32 on CPU
@@ -127,6 +129,7 @@ def estimate(
     taps += 1 if target_logits and not topk else 0  # the target's last layer, read beside the taps
     ctx_elems = t.microbatch_tokens * (taps * H + 2 * H + L * kv * (1 if t.activation_checkpointing else 2))
     ctx_elems += t.microbatch_tokens * topk * 6 // act  # or its top-k: int32 ids, fp16 log-probabilities
+    ctx_elems += t.microbatch_tokens * taps * (H + 4) // act if fp8 else 0  # the FP8 copy and its scales
     if device_bytes is None:
         device_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     q_row = c.num_attention_heads * c.head_dim  # flex pads q (and the blocks' k, v, its output) by row

@@ -26,6 +26,7 @@ from dflash_staged.model.drafters.flex import resolve_attention
 from dflash_staged.model.drafters.weights import write_drafter_files
 from dflash_staged.model.target.weights import load_final_norm
 from dflash_staged.store import ShardStore
+from dflash_staged.store.fp8 import dequantize
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.memory import estimate, row_budget
 from dflash_staged.train.objective import dflash_loss, noise_std_at, zero_stats
@@ -54,8 +55,13 @@ class DrafterModel:
         target_norm: torch.nn.Module | None = None,
         device_bytes: int | None = None,
         store_topk: int = 0,
+        hidden_dtype: torch.dtype = torch.float32,
+        fp8: bool = False,
     ):
+        """``hidden_dtype``: the store's logical dtype, which FP8 states (``fp8``: the store holds them)
+        are dequantized into on the device (:meth:`loss`)."""
         self.drafter, self.t, self.device, self.target_norm = drafter, t, device, target_norm
+        self.hidden_dtype = hidden_dtype
         # the target's distribution: from its last layer (target_norm), else from the store's top-k
         self.store_topk = 0 if target_norm is not None else int(store_topk)
         self.has_target = target_norm is not None or self.store_topk > 0
@@ -68,8 +74,9 @@ class DrafterModel:
         drafter.activation_checkpointing = t.activation_checkpointing
         # the target's logits in the head: for the loss, or (a store with its last layer) for the metrics
         self.memory = estimate(
-            drafter, t, device, device_bytes, target_logits=self.has_target, topk=self.store_topk
-        )
+            drafter, t, device, device_bytes, target_logits=self.has_target, topk=self.store_topk,
+            fp8=fp8,
+        )  # fmt: skip
         self.max_rows = row_budget(self.memory, t, drafter.block_size)  # 0 = no cap
         if device.type == "cuda" and rank == 0:
             print(f"train: {self.memory.line(self.max_rows)}", file=sys.stderr, flush=True)
@@ -97,7 +104,11 @@ class DrafterModel:
     def loss(self, mb: dict, knobs: Knobs):
         """(weighted loss sum, stats) of one microbatch already on the device; see :func:`dflash_loss`.
         The target's logits are recomputed when the loss needs them, and for the metrics every
-        ``train.log_every`` steps (when the store has the target's last layer)."""
+        ``train.log_every`` steps (when the store has the target's last layer). FP8 states (the batch
+        holds ``hidden_scale``) are dequantized here, on the device."""
+        if "hidden_scale" in mb:
+            mb = dict(mb)
+            mb["hidden"] = dequantize(mb["hidden"], mb.pop("hidden_scale"), self.hidden_dtype)
         wants = self.t.needs_target or self.drafter.family.needs_target or knobs.target_metrics
         norm = self.target_norm if wants else None
         topk = self.t.target_topk if wants and self.store_topk else None

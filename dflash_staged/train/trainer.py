@@ -30,7 +30,7 @@ from dflash_staged.procs import HOST
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train import inputs
-from dflash_staged.train.buffer import ShardBuffer, bound_host_memory
+from dflash_staged.train.buffer import ShardBuffer, bound_host_memory, ram_line
 from dflash_staged.train.distributed import Dist
 from dflash_staged.train.draw import raise_together
 from dflash_staged.train.ledger import Ledger
@@ -125,6 +125,7 @@ class Trainer:
             "step": self.step,
             "total_steps": self.total_steps,
             "manifest_id": self.m.manifest_id,
+            "store_dtype": self.store.meta.store_dtype,
             "mode": "replay" if self.opts.replay else "live",
             "world": self.dist.world,
             "config": self.cfg.to_dict(),
@@ -139,6 +140,13 @@ class Trainer:
             raise DflashError(
                 f"checkpoint {where} belongs to manifest {state['manifest_id']}, not "
                 f"{self.m.address} ({self.m.manifest_id}); use a new --out for this manifest"
+            )
+        have, now = state.get("store_dtype", "target"), self.store.meta.store_dtype
+        if have != now:  # a run keeps the precision it learned from: replays stay equal, curves comparable
+            raise DflashError(
+                f"checkpoint {where} was trained on a store with [extract] store_dtype = {have!r}, and store "
+                f"{self.store.root} holds {now!r} hidden states: resume or replay on a store of the same "
+                "precision, or use a new --out"
             )
         world = state.get("world", 1)
         shrunk = self.ledger.node is not None and world > self.dist.world  # a node-local job without a node
@@ -236,8 +244,14 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
     norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
     drafter = build_drafter(cfg, store, device, opts.init_from)
     model = DrafterModel(
-        drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device), store.meta.topk
-    )
+        drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device), store.meta.topk,
+        store.torch_dtype, store.meta.fp8,
+    )  # fmt: skip
+    buffer = ShardBuffer(store, cfg.train.buffer_capacity, verify=opts.verify)
+    if dist.rank == 0:
+        largest = max((j.real_tokens for j in m.jobs()), default=0) * store.bytes_per_token
+        line = ram_line(buffer.capacity, largest, store.meta.fp8, buffer.pin)
+        print(f"train: {line}", file=sys.stderr, flush=True)
     world_steps = cfg.train.grad_accum * dist.world
     if opts.replay:
         order = inputs.load_order(opts.order_from) if opts.order_from else None
@@ -255,7 +269,7 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         model=model,
         optim=Optimizer(model.params, cfg.train, dist),
         source=source,
-        buffer=ShardBuffer(store, cfg.train.buffer_capacity, verify=opts.verify),
+        buffer=buffer,
         ledger=Ledger(
             m,
             store,
