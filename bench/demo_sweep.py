@@ -7,7 +7,10 @@ sequence, gamma, the learning rate and its schedule, the initialisation), it
 
 1. measures the replay's step time with that setting (a short probe run),
 2. replays ``budget / step time`` steps (``--max-steps N --total-steps N``: the schedule fits the
-   budget), on the same kept shards (``runs/demo`` after ``./bin/demo``, or ``--manifest/--store``),
+   budget; ``--probe-first`` probes every setting before any run, so that later load on the machine
+   changes no step count; a setting's ``steps`` fixes them instead, for equal steps; its ``manifest``
+   and ``store`` replay another kept store), on the same kept shards (``runs/demo`` after
+   ``./bin/demo``, or ``--manifest/--store``),
 3. runs ``dflash eval`` on the first ``--eval-prompts`` held-out prompts.
 
 It writes ``OUT.json`` (one record per setting: overrides, steps, seconds, tau, per-position
@@ -99,8 +102,8 @@ def step_seconds(metrics: Path) -> float:
     return statistics.median(times)
 
 
-def run_point(i: int, overrides: dict, a, work: Path) -> dict:
-    base = [
+def replay_args(overrides: dict, a) -> list:
+    return [
         "train",
         "--replay",
         "--manifest",
@@ -113,24 +116,49 @@ def run_point(i: int, overrides: dict, a, work: Path) -> dict:
         a.max_passes,
         *sets(overrides),
     ]
+
+
+def probe(i: int, overrides: dict, a, work: Path) -> float:
+    """The replay's median warm step time with this setting (a short run)."""
+    out = work / f"probe{i}"
+    r = dflash(
+        *replay_args(overrides, a),
+        "--out",
+        out,
+        "--max-steps",
+        a.probe_steps,
+        "--set",
+        "train.checkpoint_every=100000",
+        env={"OMP_NUM_THREADS": str(a.threads)},
+    )
+    if r.returncode:
+        raise SystemExit(f"setting {overrides}: the probe failed:\n{r.stderr[-2000:]}")
+    return step_seconds(out / "metrics.jsonl")
+
+
+def probe_first(grid: list[dict], a, work: Path) -> dict[int, float]:
+    """``--probe-first``: every setting's step time, measured back to back before any run (one probe for
+    settings that differ only in ``train.seed``), so that a busy machine later changes no step count."""
+    seen: dict[str, float] = {}
+    out = {}
+    for i, o in enumerate(grid):
+        if "steps" in o:
+            continue
+        key = json.dumps({k: v for k, v in o.items() if k != "train.seed"}, sort_keys=True)
+        if key not in seen:
+            seen[key] = probe(i, o, a, work)
+            print(f"probe: {seen[key]:.3f} s a step  {o}", flush=True)
+        out[i] = seen[key]
+    return out
+
+
+def run_point(i: int, overrides: dict, a, work: Path, step_s: float | None = None) -> dict:
+    base = replay_args(overrides, a)
     env = {"OMP_NUM_THREADS": str(a.threads)}
-    probe = work / f"probe{i}"
     if "steps" in overrides:
-        step_s, steps = None, int(overrides["steps"])
+        steps = int(overrides["steps"])
     else:
-        r = dflash(
-            *base,
-            "--out",
-            probe,
-            "--max-steps",
-            a.probe_steps,
-            "--set",
-            "train.checkpoint_every=100000",
-            env=env,
-        )
-        if r.returncode:
-            raise SystemExit(f"setting {overrides}: the probe failed:\n{r.stderr[-2000:]}")
-        step_s = step_seconds(probe / "metrics.jsonl")
+        step_s = step_s or probe(i, overrides, a, work)
         steps = max(a.probe_steps, int(a.budget_s / step_s))
     run = work / f"run{i}"
     t0 = time.perf_counter()
@@ -252,6 +280,11 @@ def main() -> int:
     ap.add_argument("--grid", type=Path, default=None, help="JSON list of {section.key: value} override sets")
     ap.add_argument("--budget-s", type=float, default=120.0, help="training wall-clock per setting")
     ap.add_argument("--probe-steps", type=int, default=8)
+    ap.add_argument(
+        "--probe-first",
+        action="store_true",
+        help="probe every setting before any run (a busy machine then changes no step count)",
+    )
     ap.add_argument("--max-passes", type=int, default=60)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -268,8 +301,9 @@ def main() -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="demo-sweep-") as work:
+        probed = probe_first(grid, a, Path(work)) if a.probe_first else {}
         for i, overrides in enumerate(grid):
-            rec = run_point(i, overrides, a, Path(work))
+            rec = run_point(i, overrides, a, Path(work), probed.get(i))
             results.append(rec)
             taus = " ".join(f"T={t}: {v['tau']:.3f}" for t, v in rec["by_temperature"].items())
             walk = f"  train walk tau {rec['train_walk_tau_end']}" if rec["train_walk_tau_end"] else ""

@@ -7,6 +7,9 @@ ragged samples (64..1024 tokens). Methods, each writing and reading the same byt
 
   store        ShardStore.write_shard / read_shard (read includes the default XXH3-64 verification)
   store+zstd   the same with compression="zstd" (only with --zstd)
+  store+fp8    the same in FP8 (only with --fp8): the write quantises the bf16 states on the CPU, the
+               read dequantises them back to bf16 (both timed); GB/s count the same bf16 bytes, so a
+               ratio against ``store`` is the speed of moving the same tokens
   numpy        one file per shard, ndarray.tofile of every array + fsync / np.fromfile
   torch.save   one torch.save file per sample (SpecForge/EAGLE offline style) + fsync / torch.load
   safetensors  one safetensors file per shard + fsync / load_file, materialized by clone()
@@ -43,6 +46,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_staged.store import ShardStore, StoreMeta  # noqa: E402
+from dflash_staged.store.fp8 import dequantize  # noqa: E402
 
 K, H, SHARD_TOKENS = 5, 4096, 4096
 
@@ -105,21 +109,23 @@ def evict(root: Path, drop_caches: bool) -> str:
 
 
 class Store:
-    def __init__(self, compression: str):
-        self.compression = compression
+    def __init__(self, compression: str, store_dtype: str = "target"):
+        self.compression, self.store_dtype = compression, store_dtype
 
     def setup(self, d: Path, shards: list[dict]) -> None:  # untimed: a store is created once
-        self.s = ShardStore.create_or_open(
-            d / "store",
-            StoreMeta("bench", "bench", list(range(K)), H, "bfloat16", compression=self.compression),
+        meta = StoreMeta(
+            "bench", "bench", list(range(K)), H, "bfloat16", self.compression, store_dtype=self.store_dtype
         )
+        self.s = ShardStore.create_or_open(d / "store", meta)
         self.infos = {}
 
-    def write(self, d: Path, j: int, sh: dict) -> None:
+    def write(self, d: Path, j: int, sh: dict) -> None:  # FP8: the quantisation (on the CPU) is timed too
         self.infos[j] = self.s.write_shard(0, j, **sh)
 
-    def read(self, d: Path, j: int, sh: dict) -> None:
-        self.s.read_shard(0, j, expected_checksum=self.infos[j].checksum)
+    def read(self, d: Path, j: int, sh: dict) -> None:  # FP8: and the dequantisation back to bf16
+        shard = self.s.read_shard(0, j, expected_checksum=self.infos[j].checksum)
+        if shard.hidden_scale is not None:
+            dequantize(shard.hidden, shard.hidden_scale, torch.bfloat16)
 
 
 class Numpy:
@@ -187,6 +193,11 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--zstd", action="store_true", help="also measure the store with zstd compression")
     ap.add_argument("--drop-caches", action="store_true", help="evict with /proc/sys/vm/drop_caches (root)")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also the store in FP8 (quantised in the write, dequantised in the read)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -200,6 +211,8 @@ def main() -> None:
     }
     if args.zstd:
         methods["store+zstd"] = Store("zstd")
+    if args.fp8:
+        methods["store+fp8"] = Store("none", "float8_e4m3fn")
     scratch = Path(tempfile.mkdtemp(prefix="store-bench-", dir=args.dir))
     names = list(methods)
     res = {m: {"write": [], "read_cold": [], "read_warm": [], "disk": 0} for m in names}
@@ -264,6 +277,14 @@ def main() -> None:
         "read_warm_ratio_vs_raw": ratio("store", "numpy", "read_warm"),
         "write_ratio_vs_torch_save": ratio("store", "torch.save", "write"),
         "read_ratio_vs_torch_save": ratio("store", "torch.save", "read_cold"),
+        **(
+            {
+                f"fp8_{k}_ratio_vs_store": ratio("store+fp8", "store", k)
+                for k in ("write", "read_cold", "read_warm")
+            }
+            if args.fp8
+            else {}
+        ),
         "gbps": {
             m: {k: statistics.median(res[m][k]) for k in ("write", "read_cold", "read_warm")} for m in names
         },
@@ -271,7 +292,9 @@ def main() -> None:
     }
     print(
         "ratios (median of per-run store/baseline): "
-        + ", ".join(f"{k}={v:.2f}" for k, v in summary.items() if k.endswith(("raw", "torch_save")))
+        + ", ".join(
+            f"{k}={v:.2f}" for k, v in summary.items() if k.endswith(("raw", "torch_save", "vs_store"))
+        )
     )
     if args.json:
         print(json.dumps(summary))

@@ -7,12 +7,12 @@ Layout (all metadata is standard zarr v3 ``zarr.json``)::
     STORE/zarr.json                  group; attributes["dflash_store"] = {format_version,
                                      manifest_id, target_id, layer_ids, hidden_size,
                                      logical_dtype, compression, last_layer, topk,
-                                     topk_temperature}
+                                     topk_temperature, store_dtype}
     STORE/shards/zarr.json           group
     STORE/shards/e{E}/zarr.json      group, one per epoch
     STORE/shards/e{E}/j{J}/          group, one per job (a "shard"); attributes["dflash_shard"] =
                                      {format_version, epoch, job_id, num_tokens, num_samples,
-                                     logical_dtype, compression, nbytes, checksum,
+                                     logical_dtype, [store_dtype,] compression, nbytes, checksum,
                                      arrays: {name: {shape, dtype, file, stored_bytes, raw_bytes, xxh3}}}
         hidden/       [T, K, H]  the K stored layers' hidden states, samples packed back to back
         input_ids/    [T] int32
@@ -23,6 +23,8 @@ Layout (all metadata is standard zarr v3 ``zarr.json``)::
                       after each token, most likely first
         topk_logprobs/ [T, k] float16: their log-probabilities at topk_temperature (a log-softmax
                       over the whole vocabulary, from the target's last layer, final norm and head)
+        hidden_scale/ [T, K] float32, only when store_dtype is "float8_e4m3fn": each stored state's
+                      scale; hidden then holds e4m3 values, the state being hidden x scale
 
 T is the number of real tokens (no padding), H = hidden_size, K = len(layer_ids): the tapped
 layers' outputs in ``layer_ids`` order, plus one when ``last_layer`` is set (the target's
@@ -34,14 +36,19 @@ is a single chunk (chunk shape = shape, or 1 where a dimension is 0) stored in t
 endian) and, if the store's compression is "zstd", ``zstd`` level 1. ``hidden`` is stored as
 ``uint16`` holding bfloat16 bit patterns when logical_dtype is "bfloat16" (zarr 3.1 has no
 bfloat16), natively for "float16"/"float32"; every array carries the attribute
-``logical_dtype``. Reading it back gives a tensor bit-identical to the one written.
+``logical_dtype``. Reading it back gives a tensor bit-identical to the one written. In a store
+with ``store_dtype = "float8_e4m3fn"`` (written ``[extract] store_dtype``; a store without the
+key is ``"target"``: the hidden array in ``logical_dtype``) ``hidden`` is ``uint8`` holding e4m3
+bit patterns (attribute ``logical_dtype`` "float8_e4m3fn"), quantised as
+:mod:`dflash_staged.store.fp8` specifies, and the shard's attributes carry ``store_dtype``; it reads
+back as float8_e4m3fn with its ``hidden_scale``, the bytes as written. A store holds one precision.
 
 Integrity: ``arrays[name].xxh3`` is the XXH3-64 digest (16 hex digits) of the array's raw
 (uncompressed) little-endian bytes; ``checksum`` = ``"xxh3_64:"`` + the XXH3-64 digest of the
 array digests as 8-byte big-endian values, concatenated in the order hidden, input_ids,
-loss_mask, cu_seqlens, sample_ids (then topk_ids, topk_logprobs when stored). ``nbytes`` is the
-total size of the chunk files. The manifest records (nbytes, checksum) when it marks a job
-``written``; readers pass the checksum back as ``expected_checksum`` and get
+loss_mask, cu_seqlens, sample_ids (then topk_ids, topk_logprobs when stored, then hidden_scale in
+FP8). ``nbytes`` is the total size of the chunk files. The manifest records (nbytes, checksum)
+when it marks a job ``written``; readers pass the checksum back as ``expected_checksum`` and get
 :class:`ShardCorruptError` if the shard was replaced. A missing shard raises
 :class:`ShardMissingError`, a short file :class:`ShardTruncatedError`, a digest mismatch
 :class:`ShardCorruptError`; the manifest then sends the job back to ``pending`` (never silently
