@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_staged.manifest import Manifest
+from dflash_staged.manifest.status import format_reformations
 from dflash_staged.model.drafters.weights import load_drafter
 from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -254,3 +255,46 @@ def test_init_from_a_live_run_warm_starts_the_replay(kept, tmp_path):
     assert metrics(tmp_path / "warm")[0]["loss"] < metrics(tmp_path / "cold")[0]["loss"]
     bad = run_dflash(*args, "--out", tmp_path / "bad", "--init-from", tmp_path / "nothing")
     assert bad.returncode == 1 and "--init-from" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_live_run_resumes_on_more_ranks_and_a_replay_does_not(extracted, tmp_path):
+    """Growing back (issue 41): a checkpoint of one rank resumes on two; the new rank starts with an empty
+    buffer, the schedule refits over the jobs left, every job is trained exactly once. A replay keeps
+    its ranks (its draws are a function of them)."""
+    mdir, store = copy_of(extracted, tmp_path)
+    run = tmp_path / "run"
+    args = ("train", "--manifest", mdir, "--store", store, "--out", run, "--device", "cpu")
+    r = run_dflash(*args, "--max-steps", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_dflash(*args, "--nproc", "2", timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resuming the checkpoint of step 2 (1 rank(s)) on 2" in r.stderr, r.stderr[-2000:]
+    state, _ = final_consumed(run)
+    items = [c for v in state.consumed().values() for c in v]
+    m = Manifest.open(mdir, readonly=True)
+    assert sorted(c.job for c in items) == sorted(j.id for j in m.jobs())  # each once
+    assert {c.rank for c in items} == {0, 1} and m.counts()["released"] == len(items)
+    assert [x["step"] for x in metrics(run)] == list(range(1, state["step"] + 1))
+    reform = m.reformations()
+    assert [(e["step"], e["ranks"]) for e in reform] == [(2, [1, 2])], reform
+    lines = format_reformations(status(mdir)["reformations"])  # what `dflash status` prints
+    assert lines[0] == "trainer re-formed 1 time(s):"
+    assert "resumed from step 2 on 2 rank(s) (were 1)" in lines[1], lines
+
+
+def test_a_replay_resumes_only_on_as_many_ranks(kept, tmp_path):
+    args = (
+        "train",
+        "--replay",
+        "--manifest",
+        kept / "manifest",
+        "--store",
+        kept / "store",
+        "--out",
+        tmp_path,
+    )
+    assert run_dflash(*args, "--max-steps", "1").returncode == 0
+    r = run_dflash(*args, "--nproc", "2", timeout=400)
+    assert r.returncode != 0 and "a replay resumes on as many ranks as it began with" in r.stderr, r.stderr[
+        -2000:
+    ]

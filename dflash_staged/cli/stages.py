@@ -178,6 +178,21 @@ def extract(
     help="Trainer ranks: relaunch under torchrun (DDP).",
 )
 @click.option(
+    "--nnodes",
+    default="1",
+    show_default=True,
+    help="Nodes of an elastic trainer job, N or MIN:MAX: with --nproc this node's share runs under "
+    "torchrun's elastic agent (docs/multinode.md).",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Restarts of an elastic job (each node lost spends one; a node arriving spends none).",
+)
+@click.option("--rdzv-endpoint", default=None, help="HOST:PORT of an elastic job's rendezvous (one node's).")
+@click.option(
     "--node-local",
     is_flag=True,
     help="A store per node (its NVMe): windows per node, ranks train on their node's shards "
@@ -206,6 +221,9 @@ def train(
     total_steps,
     time_budget_s,
     nproc,
+    nnodes,
+    max_restarts,
+    rdzv_endpoint,
     tensorboard,
     init_from,
     node_local,
@@ -216,8 +234,26 @@ def train(
     even by ``kill -9`` (torchrun starts each rank in its own session: see :func:`die_with_torchrun`)."""
     import os
 
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        become_torchrun(nproc)
+    if "WORLD_SIZE" not in os.environ:
+        from dflash_staged.launch.elastic import (
+            AGENT_ENV,
+            check_elastic,
+            is_elastic,
+            parse_nnodes,
+            torchrun_args,
+        )
+
+        nodes = parse_nnodes(nnodes)
+        check_elastic(nodes, max_restarts, rdzv_endpoint, manifest_dir)
+        if is_elastic(nodes, max_restarts):
+            os.environ.update(AGENT_ENV)
+            become_torchrun(nproc, torchrun_args(nodes, nproc, max_restarts, rdzv_endpoint, manifest_dir))
+        elif nodes[1] > 1:
+            raise DflashError(
+                f"--nnodes {nnodes}: several nodes take torchrun (docs/multinode.md), or MIN:MAX"
+            )
+        if nproc > 1:
+            become_torchrun(nproc)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_torchrun()
     if order_from and not replay:

@@ -11,18 +11,15 @@ import click
 TORCHRUN_PID = "DFLASH_TORCHRUN_PID"  # set by `dflash train --nproc` for its ranks: the pid torchrun runs as
 
 
-def become_torchrun(nproc: int) -> None:
+def become_torchrun(nproc: int, launch: list[str] | None = None) -> None:
     """Replace this process (exec: the same pid) by torchrun running ``nproc`` ranks of this command line
-    without its ``--nproc``; the ranks learn torchrun's pid from :data:`TORCHRUN_PID`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "dflash_staged",
-    ] + without_option(sys.argv[1:], "--nproc")
+    without its ``--nproc`` (and elastic options); the ranks learn torchrun's pid from
+    :data:`TORCHRUN_PID`. ``launch``: torchrun's arguments (an elastic job's), else a standalone job."""
+    args = sys.argv[1:]
+    for name in ("--nproc", "--nnodes", "--max-restarts", "--rdzv-endpoint"):
+        args = without_option(args, name)
+    launch = launch or ["--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "dflash_staged", *args]
     os.environ[TORCHRUN_PID] = str(os.getpid())
     os.execv(sys.executable, cmd)
 

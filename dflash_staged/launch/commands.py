@@ -206,10 +206,17 @@ def pipeline(**o):
 )
 @click.option(
     "--nnodes",
-    type=click.IntRange(min=1),
-    default=1,
+    default="1",
     show_default=True,
-    help="Nodes of the run (torchrun's).",
+    help="Nodes of the run (torchrun's): N, or MIN:MAX for an elastic job that re-forms when nodes "
+    "leave or come (with --max-restarts; docs/multinode.md).",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Elastic: the trainer's restarts (each node lost spends one; a node arriving none).",
 )
 @click.option(
     "--node-rank",
@@ -233,6 +240,9 @@ def node(**o):
 
     Arguments after the options (e.g. `-- --max-steps 100`) go to `dflash train`.
     """
+    from dflash_staged.launch.elastic import parse_nnodes
+
+    o["nnodes_min"], o["nnodes"] = parse_nnodes(o["nnodes"])
     split, devices = o.pop("split"), o.pop("devices")
     probe_jobs, scaling = o.pop("probe_jobs"), o.pop("train_scaling")
     if split is None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 from dflash_staged.errors import DflashError
 
 # the keys of launch.processes.NodeOptions that place a node among several
-MULTINODE = ("nnodes", "node_rank", "master_addr", "master_port", "node_local")
+MULTINODE = ("nnodes", "nnodes_min", "max_restarts", "node_rank", "master_addr", "master_port", "node_local")
 
 
 def check_multinode(o) -> None:
     """One line for a multi-node setting of ``o`` (a ``NodeOptions``) that cannot work."""
+    from dflash_staged.launch.elastic import check_elastic
+
+    endpoint = f"{o.master_addr}:{o.master_port}" if o.master_addr else None
+    check_elastic((o.nnodes_min or o.nnodes, o.nnodes), o.max_restarts, endpoint, o.manifest)
     if o.nnodes > 1 and not o.master_addr:
         raise DflashError(f"--nnodes {o.nnodes}: give --master-addr (node 0's address, as torchrun takes it)")
     if not 0 <= o.node_rank < o.nnodes:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from dflash_staged.errors import DflashError
 from dflash_staged.launch.disk import disk_requirements
+from dflash_staged.launch.elastic import AGENT_ENV, is_elastic, torchrun_args
 from dflash_staged.launch.multinode import check_multinode, wait_for_manifest
 from dflash_staged.launch.supervise import PY, Proc
 
@@ -270,7 +271,9 @@ class NodeOptions:
     manifest: str | None = None
     tp: int = 1
     # one node of several (``dflash node --nnodes``): the trainer is this node's share of one torchrun job
-    nnodes: int = 1
+    nnodes: int = 1  # the most nodes (an elastic job's MAX)
+    nnodes_min: int = 0  # an elastic job's MIN (0: nnodes, not elastic unless max_restarts)
+    max_restarts: int = 0
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int = 29500
@@ -329,7 +332,13 @@ def _node(
     g = train_ranks
     local = ("--node-local",) if o.node_local else ()
     train = _train_args(m, s, r, o.keep_shards, tuple(o.train_args) + train_extra + local)
-    if o.nnodes > 1:  # this node's share of one torchrun job spanning the nodes
+    nodes = (o.nnodes_min or o.nnodes, o.nnodes)
+    if is_elastic(nodes, o.max_restarts):  # re-forms when nodes leave or come (launch.elastic)
+        endpoint = f"{o.master_addr}:{o.master_port}"
+        rdzv = torchrun_args(nodes, g, o.max_restarts, endpoint, o.manifest)
+        train_cmd = [PY, "-m", "torch.distributed.run", *rdzv, "-m", "dflash_staged", *train]
+        env_tr = {**env_tr, **AGENT_ENV}
+    elif o.nnodes > 1:  # this node's share of one torchrun job spanning the nodes
         rdzv = [
             "--nnodes",
             str(o.nnodes),

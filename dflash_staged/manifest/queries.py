@@ -105,6 +105,7 @@ class SharedQueries:
             "target_id": m["target_id"],
             "layer_ids": m["layer_ids"],
             "store": self.store_sizes(),
+            "reformations": self.reformations(),
             "requeued": self.requeue_reasons(),
             "failed": [{"id": j.id, "error": e} for j, e in self.failed_errors()],
             "processes": [{"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank} for p in procs],
@@ -112,6 +113,19 @@ class SharedQueries:
             "balance": self.balance(procs),
             "nodes": self.nodes(procs),
         }
+
+    def reformations(self) -> list[dict[str, Any]]:
+        """The trainer's re-formations (recorded by :func:`dflash_staged.train.catchup.record_reformation`):
+        when, from which step, the ranks before and after, the nodes that left and came."""
+        import json
+
+        out = []
+        for e in self.events("reform"):
+            try:
+                out.append({"t": e["t"], **json.loads(e["detail"])})
+            except (ValueError, TypeError):
+                continue
+        return out
 
     def store_sizes(self) -> dict[str, Any]:
         """The shards' bytes a token (recorded by extract; 0 before) and what they hold, from the plan."""

@@ -30,10 +30,32 @@ def format_status(st: dict) -> str:
         f"padding waste {st['padding_waste']:.2%}"
     )
     rows += format_store(st.get("store"))
+    rows += format_reformations(st.get("reformations"))
     rows += format_hosts(st.get("hosts", []))
     rows += format_balance(st.get("balance"))
     rows += format_nodes(st.get("nodes"))
     return "\n".join(rows)
+
+
+def format_reformations(events: list[dict] | None, last: int = 5) -> list[str]:
+    """The trainer's re-formations (nodes left or came; torchrun's elastic restarts), the newest ``last``."""
+    if not events:
+        return []
+    import time
+
+    lines = [
+        f"trainer re-formed {len(events)} time(s)" + (f"; the last {last}:" if len(events) > last else ":")
+    ]
+    for e in events[-last:]:
+        what = [f"{', '.join(e['left'])} left"] if e.get("left") else []
+        what += [f"{', '.join(e['came'])} came"] if e.get("came") else []
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["t"]))
+        lines.append(
+            f"  {when}: resumed from step {e['step']} on {e['ranks'][1]} rank(s) (were {e['ranks'][0]})"
+            + (f"; {'; '.join(what)}" if what else "")
+            + (f"; elastic restart {e['restart']}" if e.get("restart") else "")
+        )
+    return lines
 
 
 def format_store(store: dict | None) -> list[str]:

@@ -68,8 +68,10 @@ def pinned(shard):
 def ram_line(capacity: int, largest_shard: int, fp8: bool, pin: bool) -> str:
     """The buffer's host-memory ceiling in words: ``capacity`` shards of at most ``largest_shard`` bytes
     (read as stored: FP8 states stay one byte a value here and are dequantized on the device)."""
-    mib, gib = largest_shard / 2**20, capacity * largest_shard / 2**30
-    line = f"shard buffer: {capacity} shards x at most {mib:,.1f} MiB = {gib:,.2f} GiB of host RAM"
+    from dflash_staged.manifest.status import human_bytes
+
+    each, total = human_bytes(largest_shard), human_bytes(capacity * largest_shard)
+    line = f"shard buffer: {capacity} shards x at most {each} = {total} of host RAM"
     if pin:
         line += ", about twice that page-locked"
     if fp8:

@@ -139,10 +139,20 @@ class TrainerState(Mapping):
                 (tensors if torch.is_tensor(v) else values)[k] = v
         return cls(values, tensors)
 
+    @property
+    def ranks(self) -> int:
+        """How many ranks wrote it (each ``per_rank`` value is a list of that length)."""
+        return int(self.values.get("world", 1))
+
     def restore(self, states: dict[str, Stateful], rank: int) -> None:
-        """Give every component its part back, in registration order."""
+        """Give every component its part back, in registration order. A rank the checkpoint has no part
+        for (a run resumed on more ranks) keeps its ``per_rank`` components as built: an empty buffer,
+        generators seeded from the run's seed and the rank."""
         for comp in states.values():
-            comp.load_state_dict(self.for_rank(rank) if getattr(comp, "per_rank", False) else self)
+            if not getattr(comp, "per_rank", False):
+                comp.load_state_dict(self)
+            elif rank < self.ranks:
+                comp.load_state_dict(self.for_rank(rank))
 
 
 class _RankView(Mapping):

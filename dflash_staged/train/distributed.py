@@ -13,8 +13,9 @@ compiles, a slow manifest. A rank that dies seldom holds the others that long (t
 the ranks of its node, and NCCL reports a lost peer as an error); one that hangs does.
 
 **A lost peer** (its rank or its whole node died) fails this rank's next collective: that is reported in
-one line (:class:`PeerLostError`), not a backend traceback. With node-local stores the documented
-recovery is rerunning the trainer on the nodes that remain (``docs/multinode.md``).
+one line (:class:`PeerLostError`), not a backend traceback. Under an elastic agent
+(:mod:`dflash_staged.launch.elastic`) the job then re-forms by itself; otherwise the recovery is
+rerunning the trainer on the nodes that remain (``docs/multinode.md``).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def collective(what: str, rank: int):
         detail = " ".join(str(e).split())[:300]
         raise PeerLostError(
             f"train rank {rank}: the collective {what} failed ({detail}): another trainer rank is gone (its "
-            "process or its node died). Rerun the trainer command (with --node-local stores, on the nodes "
-            "that remain: the lost node's shards go back to extract; docs/multinode.md)"
+            "process or its node died). An elastic job (--nnodes MIN:MAX) re-forms by itself; otherwise "
+            "rerun the trainer command (with --node-local stores, on the nodes that remain: the lost node's "
+            "shards go back to extract; docs/multinode.md)"
         ) from None
 
 
@@ -145,6 +147,29 @@ class Dist:
         with collective("all_gather", self.rank):
             self.td.all_gather_object(out, obj)
         return out
+
+    def broadcast_obj(self, obj, src: int):
+        """``obj`` of rank ``src`` on every rank (a picklable value)."""
+        if not self.enabled:
+            return obj
+        box = [obj if self.rank == src else None]
+        with collective("broadcast", self.rank):
+            self.td.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def broadcast_bytes(self, data: bytes | None, n: int, src: int) -> bytes:
+        """``n`` bytes of rank ``src`` (``data`` there; ignored elsewhere) on every rank, as one uint8
+        tensor on the collective's device."""
+        if not self.enabled:
+            return data or b""
+        dev = self._comm_device()
+        if self.rank == src:
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        else:
+            t = torch.empty(n, dtype=torch.uint8, device=dev)
+        with collective("broadcast", self.rank):
+            self.td.broadcast(t, src=src)
+        return t.cpu().numpy().tobytes()
 
     def barrier(self) -> None:
         if self.enabled:

@@ -31,6 +31,7 @@ from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train import inputs
 from dflash_staged.train.buffer import ShardBuffer, bound_host_memory, ram_line
+from dflash_staged.train.catchup import newest_everywhere, record_reformation
 from dflash_staged.train.distributed import Dist
 from dflash_staged.train.draw import raise_together
 from dflash_staged.train.ledger import Ledger
@@ -87,6 +88,8 @@ class Trainer:
     step: int = 0
     states: dict[str, ckpt.Stateful] = field(default_factory=dict)  # checkpointed components, restore order
     ckpt_copy: bool = False  # this rank writes the checkpoints into its --out (own_checkpoints)
+    nodes: list[str] = field(default_factory=list)  # each rank's node, in rank order
+    reformed_from: tuple | None = None  # (ranks, nodes) of the checkpoint resumed on another number of ranks
 
     @property
     def device(self) -> torch.device:
@@ -128,13 +131,16 @@ class Trainer:
             "store_dtype": self.store.meta.store_dtype,
             "mode": "replay" if self.opts.replay else "live",
             "world": self.dist.world,
+            "nodes": self.nodes,
             "config": self.cfg.to_dict(),
             "time": time.time(),
             "chat": self.m.meta.get("chat"),
         }
 
     def load_state_dict(self, state) -> None:
-        """Refuse a checkpoint of another manifest or number of ranks; continue its step count."""
+        """Refuse a checkpoint of another manifest or store precision (and a replay's of another number of
+        ranks); continue its step count. A live run may resume on another number of ranks: its
+        schedule refits over the jobs left (:func:`resume`)."""
         where = getattr(state, "path", "")
         if state["manifest_id"] != self.m.manifest_id:
             raise DflashError(
@@ -149,27 +155,33 @@ class Trainer:
                 "precision, or use a new --out"
             )
         world = state.get("world", 1)
-        shrunk = self.ledger.node is not None and world > self.dist.world  # a node-local job without a node
-        if world != self.dist.world and not shrunk:
+        if world != self.dist.world and self.opts.replay:
             raise DflashError(
-                f"checkpoint {where} was written by {world} rank(s), this run has "
-                f"{self.dist.world}; resume with the same number of trainer ranks"
-                + (" (with --node-local stores: as many or fewer)" if self.ledger.node is not None else "")
-            )
-        if shrunk and self.dist.rank == 0:
-            print(
-                f"train: resuming {world} rank(s)' checkpoint with {self.dist.world} (node-local stores: the "
-                "shards of nodes no longer in the job go back to extract)",
-                file=sys.stderr,
-                flush=True,
+                f"checkpoint {where} was written by {world} rank(s), this replay has {self.dist.world}: a "
+                "replay resumes on as many ranks as it began with (its draws are a function of the ranks)"
             )
         self.step = int(state["step"])
         if self.opts.total_steps is None:
             self.total_steps = int(state["total_steps"])  # the schedule continues as it began
-            if shrunk:  # fewer ranks take fewer jobs a step: the schedule stretches over the steps left
-                done = sum(len(v) for v in state["consumed"].values())
-                left = sum(self.m.counts().values()) - done
+        if world != self.dist.world:  # a live run re-formed on fewer or more ranks (elastic, or by hand)
+            done = sum(len(v) for v in state["consumed"].values())
+            left = sum(self.m.counts().values()) - done
+            if self.opts.total_steps is None:  # the schedule stretches or shrinks over the jobs left
                 self.total_steps = self.step + -(-left // (self.cfg.train.grad_accum * self.dist.world))
+            self.reformed_from = (world, state.get("nodes"))
+            if self.dist.rank == 0:
+                gone = (
+                    "; the shards of nodes no longer in the job go back to extract"
+                    if self.ledger.node
+                    else ""
+                )
+                print(
+                    f"train: resuming the checkpoint of step {self.step} ({world} rank(s)) on "
+                    f"{self.dist.world}: {left} job(s) left, the schedule refitted to {self.total_steps} "
+                    f"steps; new ranks start with empty buffers{gone}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def close(self, finished: bool = False) -> None:
         """Close every component. ``finished``: the loop returned on every rank (not an error), so the
@@ -285,7 +297,7 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         draw_gen=torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + 17 + dist.rank),
         total_steps=opts.total_steps or natural,
     )
-    t.ckpt_copy = copy
+    t.ckpt_copy, t.nodes = copy, nodes
     t.states = {
         "trainer": t,
         "model": t.model,
@@ -337,16 +349,7 @@ def refuse_another_run(m: Manifest, out) -> None:
 def resume(t: Trainer) -> None:
     """Restore the newest checkpoint (if any) and reconcile the manifest with it."""
     opts, m, dist = t.opts, t.m, t.dist
-    latest = ckpt.latest_checkpoint(opts.out)
-    seen = dist.gather_obj(latest.name if latest is not None else None)
-    if len(set(seen)) > 1:  # a run directory that is not shared (node-local disks): ranks would diverge
-        raise DflashError(
-            f"the ranks see different newest checkpoints in {opts.out} ("
-            + ", ".join(f"rank {r}: {s or 'none'}" for r, s in enumerate(seen))
-            + "): --out must be one directory every rank reads (a shared filesystem), or with --node-local "
-            "stores each node's own copy (a node away for a checkpoint misses it): copy the newest "
-            "checkpoint to the same path on every node before rerunning (docs/multinode.md)"
-        )
+    latest = newest_everywhere(dist, opts.out, t.ckpt_copy)  # a node that was away catches up first
     if latest is None and not opts.replay:
         c = m.counts()
         if c["released"] or c["kept"]:
@@ -358,6 +361,7 @@ def resume(t: Trainer) -> None:
         refuse_another_run(m, opts.out)
     elif latest is not None:
         ckpt.load_checkpoint(latest).restore(t.states, dist.rank)
+        record_reformation(t)
     t.ledger.reconcile()
     dist.barrier()
     t.ledger.release_node()  # node-local stores: each node's covered shards, by its leader

@@ -181,6 +181,7 @@ class FakeTarget:
         self.torch = torch
         self.layer_ids = list(layer_ids)
         self.stored_ids, self.last_layer = list(layer_ids), None  # the taps only: no last layer stored
+        self.captured_ids, self.topk, self.topk_temperature = list(layer_ids), 0, None  # and no top-k
         self.hidden_size = hidden
         self.num_layers = max(self.layer_ids) + 1
         self.dtype = torch.float32
