@@ -133,6 +133,19 @@ def test_dflash_node_starts_its_share_of_one_torchrun_job(tmp_path, pg):
     assert flag(tr, "--master-addr") == "10.0.0.1" and flag(tr, "--store") == str(tmp_path / "w" / "store")
     shared = dry(*args, "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
     assert flag(proc_line(shared, "extract")[1], "--train-ranks") == "4"  # one store feeds every node's ranks
+    # elastic: torchrun's elastic agent, a c10d rendezvous at --master-addr, the window rule at MAX nodes
+    elastic = dry(
+        *args, "--nnodes", "2:3", "--max-restarts", "5", "--master-addr", "10.0.0.1", "--node-rank", "1"
+    )
+    env, tr = proc_line(elastic, "train")
+    assert (flag(tr, "--nnodes"), flag(tr, "--max-restarts"), flag(tr, "--rdzv-backend")) == (
+        "2:3",
+        "5",
+        "c10d",
+    )
+    assert flag(tr, "--rdzv-endpoint") == "10.0.0.1:29500" and flag(tr, "--rdzv-id").startswith("dflash-")
+    assert "--node-rank" not in tr and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert flag(proc_line(elastic, "extract")[1], "--train-ranks") == "6"
 
 
 def test_dflash_node_refuses_a_multinode_run_it_cannot_start(tmp_path):
@@ -146,6 +159,8 @@ def test_dflash_node_refuses_a_multinode_run_it_cannot_start(tmp_path):
     assert r.exit_code != 0 and "give --master-addr" in r.output
     r = CliRunner().invoke(main, [*args, "--master-addr", "n0"])
     assert r.exit_code != 0 and "--manifest postgresql://" in r.output
+    r = CliRunner().invoke(main, [*args[:-2], "--nnodes", "2:3", "--master-addr", "n0"])
+    assert r.exit_code != 0 and "--max-restarts 0" in r.output and len(r.output.strip().splitlines()) == 1
 
 
 def test_a_node_replays_its_own_kept_shards(at, as_node):  # noqa: F811
