@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -143,3 +144,26 @@ def assert_all_released_and_clean(mdir: Path, store: Path, run_dir: Path | None 
         temps = list(run_dir.glob("*.tmp-*")) + list(run_dir.glob(".*.tmp-*"))
         assert not temps, temps
     return st
+
+
+def side_by_side(tmp_path: Path, mdir, store: Path, out: Path, train_args=(), timeout: float = 400) -> str:
+    """``dflash extract`` (one CPU worker) and ``dflash train`` side by side to the end: both exit 0 and
+    print no traceback; their logs (tmp_path/extract.log, train.log) are returned."""
+    from helpers import start
+
+    ex = start(
+        ["extract", "--manifest", mdir, "--store", store, "--devices", "cpu"], tmp_path / "extract.log"
+    )
+    tr = start(
+        ["train", "--manifest", mdir, "--store", store, "--out", out, *train_args], tmp_path / "train.log"
+    )
+    deadline = time.time() + timeout
+    while (ex.poll() is None or tr.poll() is None) and time.time() < deadline:
+        time.sleep(0.2)
+    for p in (ex, tr):
+        if p.poll() is None:
+            p.kill()
+    logs = (tmp_path / "extract.log").read_text() + (tmp_path / "train.log").read_text()
+    assert ex.returncode == 0 and tr.returncode == 0, logs[-4000:]
+    assert not tracebacks(logs), tracebacks(logs)[:2]
+    return logs

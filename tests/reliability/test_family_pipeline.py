@@ -6,14 +6,13 @@ before its first step, in one line."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from dflash_staged.train.checkpoint import latest_checkpoint
 
-from helpers import cli, plan, start
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, tracebacks
+from helpers import cli, plan
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, side_by_side
 
 FAMILIES = {
     "dspark": (
@@ -36,19 +35,7 @@ def test_a_family_trains_exactly_once_side_by_side_and_evaluates(tmp_path, name)
     )
     mdir = plan(tmp_path, n=48, extra=extra)
     store, out = tmp_path / "store", tmp_path / "run"
-    ex = start(
-        ["extract", "--manifest", mdir, "--store", store, "--devices", "cpu"], tmp_path / "extract.log"
-    )
-    tr = start(["train", "--manifest", mdir, "--store", store, "--out", out], tmp_path / "train.log")
-    deadline = time.time() + 400
-    while (ex.poll() is None or tr.poll() is None) and time.time() < deadline:
-        time.sleep(0.2)
-    for p in (ex, tr):
-        if p.poll() is None:
-            p.kill()
-    logs = (tmp_path / "extract.log").read_text() + (tmp_path / "train.log").read_text()
-    assert ex.returncode == 0 and tr.returncode == 0, logs[-4000:]
-    assert not tracebacks(logs), tracebacks(logs)[:2]
+    side_by_side(tmp_path, mdir, store, out)
     state = assert_exactly_once(mdir, out)
     assert state["config"]["drafter"]["architecture"] == name
     ck = latest_checkpoint(out)

@@ -6,13 +6,12 @@ and a checkpoint trained on another precision is refused, naming both."""
 from __future__ import annotations
 
 import json
-import time
 
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore
 
-from helpers import plan, run_dflash, start
-from rel_helpers import assert_exactly_once, tracebacks
+from helpers import plan, run_dflash
+from rel_helpers import assert_exactly_once, side_by_side
 
 COMMON = '[data]\ntoken_budget = 512\n[target]\ndtype = "bfloat16"\n[train]\ncheckpoint_every = 3\n'
 FP8 = '[extract]\nstore_dtype = "float8_e4m3fn"\n'
@@ -26,21 +25,7 @@ def run(tmp_path, extra: str) -> tuple:
     tmp_path.mkdir()
     mdir = plan(tmp_path, n=40, extra=COMMON + extra)
     store, out = tmp_path / "store", tmp_path / "run"
-    ex = start(
-        ["extract", "--manifest", mdir, "--store", store, "--devices", "cpu"], tmp_path / "extract.log"
-    )
-    tr = start(
-        ["train", "--manifest", mdir, "--store", store, "--out", out, "--keep-shards"], tmp_path / "train.log"
-    )
-    deadline = time.time() + 400
-    while (ex.poll() is None or tr.poll() is None) and time.time() < deadline:
-        time.sleep(0.2)
-    for p in (ex, tr):
-        if p.poll() is None:
-            p.kill()
-    logs = (tmp_path / "extract.log").read_text() + (tmp_path / "train.log").read_text()
-    assert ex.returncode == 0 and tr.returncode == 0, logs[-4000:]
-    assert not tracebacks(logs), tracebacks(logs)[:2]
+    logs = side_by_side(tmp_path, mdir, store, out, ["--keep-shards"])
     assert_exactly_once(mdir, out)
     with Manifest.open(mdir, readonly=True) as m:
         jobs = m.jobs()

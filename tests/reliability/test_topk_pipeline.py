@@ -5,12 +5,11 @@ and metrics.jsonl carries the target metrics, all without the target's head in t
 from __future__ import annotations
 
 import json
-import time
 
 from dflash_staged.manifest import Manifest
 
-from helpers import plan, start
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, tracebacks
+from helpers import plan
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, side_by_side
 
 COMMON = (
     "[data]\ntoken_budget = 512\n"
@@ -22,19 +21,7 @@ def run(tmp_path, target: str) -> tuple[object, int]:
     tmp_path.mkdir()
     mdir = plan(tmp_path, n=48, extra=COMMON + target)
     store, out = tmp_path / "store", tmp_path / "run"
-    ex = start(
-        ["extract", "--manifest", mdir, "--store", store, "--devices", "cpu"], tmp_path / "extract.log"
-    )
-    tr = start(["train", "--manifest", mdir, "--store", store, "--out", out], tmp_path / "train.log")
-    deadline = time.time() + 400
-    while (ex.poll() is None or tr.poll() is None) and time.time() < deadline:
-        time.sleep(0.2)
-    for p in (ex, tr):
-        if p.poll() is None:
-            p.kill()
-    logs = (tmp_path / "extract.log").read_text() + (tmp_path / "train.log").read_text()
-    assert ex.returncode == 0 and tr.returncode == 0, logs[-4000:]
-    assert not tracebacks(logs), tracebacks(logs)[:2]
+    side_by_side(tmp_path, mdir, store, out)
     assert_exactly_once(mdir, out)
     assert_all_released_and_clean(mdir, store, out)
     with Manifest.open(mdir, readonly=True) as m:
