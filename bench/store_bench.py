@@ -10,6 +10,8 @@ ragged samples (64..1024 tokens). Methods, each writing and reading the same byt
   store+fp8    the same in FP8 (only with --fp8): the write quantises the bf16 states on the CPU, the
                read dequantises them back to bf16 (both timed); GB/s count the same bf16 bytes, so a
                ratio against ``store`` is the speed of moving the same tokens
+  fp8-io       the FP8 store's disk side alone (quantised before the timing, read without dequantising:
+               on a GPU both happen on the device)
   numpy        one file per shard, ndarray.tofile of every array + fsync / np.fromfile
   torch.save   one torch.save file per sample (SpecForge/EAGLE offline style) + fsync / torch.load
   safetensors  one safetensors file per shard + fsync / load_file, materialized by clone()
@@ -46,7 +48,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_staged.store import ShardStore, StoreMeta  # noqa: E402
-from dflash_staged.store.fp8 import dequantize  # noqa: E402
+from dflash_staged.store.fp8 import dequantize, quantize  # noqa: E402
 
 K, H, SHARD_TOKENS = 5, 4096, 4096
 
@@ -126,6 +128,25 @@ class Store:
         shard = self.s.read_shard(0, j, expected_checksum=self.infos[j].checksum)
         if shard.hidden_scale is not None:
             dequantize(shard.hidden, shard.hidden_scale, torch.bfloat16)
+
+
+class StoreFp8Io(Store):
+    """The FP8 store's disk side alone: states quantised before the timing (extract does it on the GPU),
+    read without dequantising (the trainer does it on the GPU)."""
+
+    def __init__(self):
+        super().__init__("none", "float8_e4m3fn")
+
+    def setup(self, d: Path, shards: list[dict]) -> None:
+        super().setup(d, shards)
+        self.q = [quantize(sh["hidden"]) for sh in shards]
+
+    def write(self, d: Path, j: int, sh: dict) -> None:
+        q, scale = self.q[j]
+        self.infos[j] = self.s.write_shard(0, j, **{**sh, "hidden": q}, hidden_scale=scale)
+
+    def read(self, d: Path, j: int, sh: dict) -> None:
+        self.s.read_shard(0, j, expected_checksum=self.infos[j].checksum)
 
 
 class Numpy:
@@ -213,6 +234,7 @@ def main() -> None:
         methods["store+zstd"] = Store("zstd")
     if args.fp8:
         methods["store+fp8"] = Store("none", "float8_e4m3fn")
+        methods["fp8-io"] = StoreFp8Io()
     scratch = Path(tempfile.mkdtemp(prefix="store-bench-", dir=args.dir))
     names = list(methods)
     res = {m: {"write": [], "read_cold": [], "read_warm": [], "disk": 0} for m in names}
@@ -279,7 +301,8 @@ def main() -> None:
         "read_ratio_vs_torch_save": ratio("store", "torch.save", "read_cold"),
         **(
             {
-                f"fp8_{k}_ratio_vs_store": ratio("store+fp8", "store", k)
+                f"{m.replace('store+', '').replace('-', '_')}_{k}_ratio_vs_store": ratio(m, "store", k)
+                for m in ("store+fp8", "fp8-io")
                 for k in ("write", "read_cold", "read_warm")
             }
             if args.fp8
