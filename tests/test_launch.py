@@ -125,10 +125,10 @@ def test_node_dry_run_splits_gpus_and_prints_bandwidth(tmp_path):
     assert tr[1:4] == ["-m", "dflash_staged", "train"] and flag(tr, "--nproc") == "4"  # it runs torchrun
     assert "--keep-shards" in tr
     text = "\n".join(lines)
-    # Qwen3-8B: K=5 x H=4096 x 2 B + 5 = 40,965 B/token; 8000 tok/s x 4 GPUs -> 1.31 GB/s write, 2.62 GB/s
-    # total.
-    assert bytes_per_token(5, 4096, 2) == 40_965 and "40,965 B" in text
-    assert "1.31 GB/s written" in text and "2.62 GB/s (write + read)" in text
+    # Qwen3-8B in FP8 (the recipe's store_dtype): K=5 x (H=4096 + 4) + 5 = 20,505 B/token (40,965 B in bf16);
+    # 8000 tok/s x 4 GPUs -> 656 MB/s written, 1.31 GB/s total.
+    assert bytes_per_token(5, 4096, 2) == 40_965 and "20,505 B" in text
+    assert "656 MB/s written" in text and "1.31 GB/s (write + read)" in text
 
 
 def test_node_gpu_ids_map_through_visible_devices_and_single_rank_skips_torchrun(tmp_path):

@@ -12,7 +12,8 @@ from dflash_staged.model.drafters.config import DraftModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# recipe -> (target layers, hidden, vocab, expected drafter geometry, mask id, hidden bytes per token)
+# recipe -> (target layers, hidden, vocab, expected drafter geometry, mask id, hidden bytes per token: FP8,
+# K x (H + 4), the recipes' store_dtype)
 RECIPES = {
     "qwen3-8b.toml": (
         36,
@@ -27,7 +28,7 @@ RECIPES = {
             rope_theta=1e6,
         ),
         151669,
-        40_960,
+        20_500,
     ),
     "qwen3.5-27b.toml": (
         64,
@@ -42,7 +43,7 @@ RECIPES = {
             rope_theta=1e7,
         ),
         248070,
-        51_200,
+        25_620,
     ),
     "qwen3.6-35b-a3b.toml": (
         40,
@@ -57,7 +58,7 @@ RECIPES = {
             rope_theta=1e7,
         ),
         248070,
-        20_480,
+        10_260,
     ),
     "qwen3.5-122b-a10b.toml": (
         48,
@@ -72,7 +73,7 @@ RECIPES = {
             rope_theta=1e7,
         ),
         248070,
-        30_720,
+        15_380,
     ),
 }
 
@@ -91,7 +92,8 @@ def test_recipe_loads_and_builds_the_drafter_config(name):
     assert cfg.data.max_len <= cfg.data.token_budget and t.num_anchors <= cfg.data.max_len
     d = DraftModelConfig.from_config(cfg, hidden, vocab, layers, ids, mask_id)
     assert {k: getattr(d, k) for k in geometry} == geometry
-    assert len(d.target_layer_ids) * hidden * 2 == hidden_bytes
+    assert len(d.target_layer_ids) * (hidden + 4) == hidden_bytes  # FP8: one byte a state, a float32 scale
+    assert cfg.extract.store_dtype == "float8_e4m3fn"  # README "The store in FP8": tau within seed noise
     assert d.to_dict()["dflash_config"] == {
         "block_size": 16,
         "mask_token_id": mask_id,
@@ -111,7 +113,7 @@ def test_recipe_window_fits_its_trainer_and_disk_numbers(name):
     assert d["hidden"] == hidden and d["bytes_per_token"] == hidden_bytes + 5
     assert d["store_Bps"] == pytest.approx(2 * 8000 * 4 * (hidden_bytes + 5))
     if name == "qwen3-8b.toml":
-        assert 2.5e9 < d["store_Bps"] < 3.2e9  # "Qwen3-8B on 4 target GPUs: roughly 3 GB/s"
+        assert 1.2e9 < d["store_Bps"] < 1.6e9  # "Qwen3-8B on 4 target GPUs: roughly 1.5 GB/s" (FP8)
 
 
 def _local_model(model: str) -> str | None:
@@ -271,4 +273,4 @@ def test_dspark_and_dspine_recipes_store_the_last_layer_and_fit_an_80gb_gpu(name
     est = estimate(drafter, cfg.train, torch.device("cuda"), device_bytes=80 * 2**30, target_logits=True)
     assert row_budget(est, cfg.train, block) >= cfg.train.num_anchors * block
     d_req, _ = disk_requirements(ROOT / "configs" / name, 4, 8000, None, None, None)
-    assert d_req["bytes_per_token"] == 6 * hidden * 2 + 5  # five taps and the last layer, bf16
+    assert d_req["bytes_per_token"] == 6 * (hidden + 4) + 5  # five taps and the last layer, FP8
