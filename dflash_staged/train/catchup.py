@@ -12,6 +12,9 @@ released, so an older one may be missing shards a resume would need.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +46,7 @@ def _manifest_of(d: Path) -> list[tuple[str, int, str]]:
 def _send_or_receive(dist, src: int, receive: bool, here: Path | None, target: Path) -> None:
     """Rank ``src`` sends checkpoint ``here``; a rank with ``receive`` writes it to ``target``."""
     files = dist.broadcast_obj(_manifest_of(here) if dist.rank == src else None, src)
-    with atomic_dir(target, replace=True) if receive else _nowhere() as tmp:
+    with atomic_dir(target, replace=True) if receive else contextlib.nullcontext() as tmp:
         for rel, size, digest in files:
             h = xxhash.xxh3_64()
             out = open(tmp / rel, "wb") if receive else None  # noqa: SIM115 - closed below
@@ -66,14 +69,6 @@ def _send_or_receive(dist, src: int, receive: bool, here: Path | None, target: P
                     f"train rank {dist.rank}: checkpoint file {rel} received from rank {src} fails its "
                     f"digest (xxh3 {h.hexdigest()} against {digest}): nothing was written; rerun the trainer"
                 )
-
-
-class _nowhere:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def newest_everywhere(dist, out: Path, own_copy: bool) -> Path | None:
@@ -113,9 +108,6 @@ def record_reformation(t) -> None:
     """Rank 0 of a live run resumed on other ranks (or restarted by torchrun's elastic agent) records it
     as a manifest event ``reform`` (``dflash status`` shows them): when, from which step, the ranks and
     nodes before and after."""
-    import json
-    import os
-
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if t.opts.replay or t.dist.rank != 0 or (t.reformed_from is None and not restarts):
         return
