@@ -24,6 +24,7 @@ the step times (and so the steps each budget buys) are noisy: say so next to the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -293,6 +294,7 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=20, help="eval top-k at T > 0 (the DFlash2 protocol's)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "demo_sweep")
+    ap.add_argument("--keep-runs", type=Path, default=None, help="keep the run directories here (run0, ...)")
     a = ap.parse_args()
     a.manifest, a.store = a.manifest or a.demo_dir / "manifest", a.store or a.demo_dir / "store"
     for k in ("manifest", "store", "config", "prompts", "out"):  # the commands run from the repository root
@@ -300,7 +302,10 @@ def main() -> int:
     grid = json.loads(a.grid.read_text()) if a.grid else DEFAULT_GRID
     a.out.parent.mkdir(parents=True, exist_ok=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="demo-sweep-") as work:
+    if a.keep_runs:
+        a.keep_runs.mkdir(parents=True, exist_ok=True)
+    tmp = contextlib.nullcontext(str(a.keep_runs.resolve())) if a.keep_runs else None
+    with tmp or tempfile.TemporaryDirectory(prefix="demo-sweep-") as work:
         probed = probe_first(grid, a, Path(work)) if a.probe_first else {}
         for i, overrides in enumerate(grid):
             rec = run_point(i, overrides, a, Path(work), probed.get(i))

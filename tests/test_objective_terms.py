@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dflash_staged.config import LOSS_TERMS, TARGET_TERMS, TrainConfig
 from dflash_staged.config.checks import ConfigError
-from dflash_staged.model.drafters.layers import transform_logits
+from dflash_staged.model.target.logits import transform_logits
 from dflash_staged.model.target.weights import FinalNorm
 from dflash_staged.train.objective import dflash_loss, expected_acceptance
 from dflash_staged.train.objective.head import TargetRows, head_rows

@@ -251,7 +251,7 @@ def test_dflash2_recipe_has_the_released_architecture_and_fits_an_80gb_gpu(name)
     "name,arch,block",
     [("qwen3-8b-dspark.toml", "Qwen3DSparkModel", 7), ("qwen3-8b-dspine.toml", "DSpineDraftModel", 16)],
 )
-def test_dspark_and_dspine_recipes_store_the_last_layer_and_fit_an_80gb_gpu(name, arch, block):
+def test_dspark_and_dspine_recipes_store_the_topk_and_fit_an_80gb_gpu(name, arch, block):
     import dataclasses
 
     import torch
@@ -260,8 +260,8 @@ def test_dspark_and_dspine_recipes_store_the_last_layer_and_fit_an_80gb_gpu(name
     from dflash_staged.train.memory import estimate, row_budget
 
     cfg, base = load_config(ROOT / "configs" / name), load_config(ROOT / "configs" / "qwen3-8b.toml")
-    assert cfg.target.store_last_layer
-    assert dataclasses.replace(cfg.target, store_last_layer=False) == base.target
+    assert cfg.target.store_topk == 64 and not cfg.target.store_last_layer  # (issue 48: not the FP8 layer)
+    assert dataclasses.replace(cfg.target, store_topk=0) == base.target
     assert (cfg.data, cfg.extract.window) == (base.data, base.extract.window)
     layers, hidden, vocab, geometry, mask_id, _ = RECIPES["qwen3-8b.toml"]
     d = DraftModelConfig.from_config(cfg, hidden, vocab, layers, cfg.target.target_layer_ids, mask_id)
@@ -270,7 +270,9 @@ def test_dspark_and_dspine_recipes_store_the_last_layer_and_fit_an_80gb_gpu(name
     assert {k: getattr(d, k) for k in geometry} == geometry
     with torch.device("meta"):
         drafter = DFlashDrafter(d, torch.empty(vocab, hidden), torch.empty(vocab, hidden))
-    est = estimate(drafter, cfg.train, torch.device("cuda"), device_bytes=80 * 2**30, target_logits=True)
+    est = estimate(
+        drafter, cfg.train, torch.device("cuda"), device_bytes=80 * 2**30, target_logits=True, topk=64
+    )
     assert row_budget(est, cfg.train, block) >= cfg.train.num_anchors * block
     d_req, _ = disk_requirements(ROOT / "configs" / name, 4, 8000, None, None, None)
-    assert d_req["bytes_per_token"] == 6 * (hidden + 4) + 5  # five taps and the last layer, FP8
+    assert d_req["bytes_per_token"] == 5 * (hidden + 4) + 64 * 6 + 4 + 5 == 20_893  # five taps in FP8, top-64

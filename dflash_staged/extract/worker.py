@@ -78,6 +78,7 @@ def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardS
         last_layer=target.last_layer,
         topk=target.topk,
         topk_temperature=target.topk_temperature,
+        topk_tail=bool(target.topk),
         store_dtype=cfg.extract.store_dtype,
     )
     store = ShardStore.create_or_open(store_root, meta)
@@ -242,6 +243,7 @@ def worker_main(
             layer_ids=m.meta.get("layer_ids") or None,
             num_draft_layers=cfg.drafter.num_hidden_layers,
             tp=group.size,
+            logit_transform=(cfg.drafter.output_multiplier, cfg.drafter.final_logit_softcapping),
         )
         store = open_store_for(m, opts.store, target, cfg) if group.leader else None
     except Exception as e:  # noqa: BLE001 - reported; every rank of a group stops together

@@ -74,18 +74,18 @@ class ShardWriter:
         cu_seqlens: torch.Tensor,
         sample_ids: torch.Tensor,
         on_done: OnDone,
-        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        topk: tuple[torch.Tensor, ...] | None = None,
         hidden_scale: torch.Tensor | None = None,
     ) -> None:
-        """Queue one shard (``topk``: the target's top-k ids and log-probabilities, for a store with them;
-        ``hidden_scale``: the scales of FP8 ``hidden``, :mod:`dflash_staged.store.fp8`)."""
+        """Queue one shard (``topk``: the target's top-k ids, log-probabilities and tail's log-mass, for a
+        store with them; ``hidden_scale``: the scales of FP8 ``hidden``, :mod:`dflash_staged.store.fp8`)."""
         if self._closed:
             raise RuntimeError("ShardWriter.submit after close")
         self._slots.acquire()
         try:
             tensors = [hidden, input_ids, loss_mask, cu_seqlens, sample_ids] + list(topk or ())
             tensors += [] if hidden_scale is None else [hidden_scale]
-            extra = (bool(topk), hidden_scale is not None)
+            extra = (len(topk or ()), hidden_scale is not None)
             event, buf = None, None
             if any(t.is_cuda for t in tensors):
                 tensors, event, buf = self._to_host(tensors)
@@ -124,12 +124,12 @@ class ShardWriter:
             item = self._queue.get()
             if item is None:
                 return
-            epoch, job_id, tensors, (has_topk, has_scale), event, buf, on_done = item
+            epoch, job_id, tensors, (n_topk, has_scale), event, buf, on_done = item
             try:
                 if event is not None:
                     event.synchronize()
                 try:
-                    top = tuple(tensors[5:7]) if has_topk else None
+                    top = tuple(tensors[5 : 5 + n_topk]) if n_topk else None
                     scale = tensors[-1] if has_scale else None
                     result: ShardInfo | StagedShard | BaseException = self._write(
                         epoch, job_id, *tensors[:5], topk=top, hidden_scale=scale

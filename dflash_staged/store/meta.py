@@ -26,16 +26,24 @@ TOKEN_BYTES = 5  # per token besides the hidden states: int32 input id + uint8 l
 
 
 TOPK_TOKEN_BYTES = 4 + 2  # a stored top-k entry: int32 id + float16 log-probability
+TOPK_TAIL_BYTES = 4  # a token's float32 log of the mass outside its stored top-k
 
 
 def bytes_per_token(
-    num_layers: int, hidden_size: int, itemsize: int, topk: int = 0, store_dtype: str = "target"
+    num_layers: int,
+    hidden_size: int,
+    itemsize: int,
+    topk: int = 0,
+    store_dtype: str = "target",
+    topk_tail: bool = True,
 ) -> int:
     """Shard bytes per real token: K stored states (the taps, and the last layer when stored) of
     ``hidden_size`` values (``itemsize`` bytes each, the target's dtype; one byte and a float32 scale
-    per state in FP8), the target's top-k (ids and log-probabilities) when stored, + id + loss mask."""
+    per state in FP8), the target's top-k (ids and log-probabilities, and the tail's log-mass unless
+    ``topk_tail`` is off: a store written before it was kept) when stored, + id + loss mask."""
     per_state = hidden_size * itemsize if store_dtype == "target" else hidden_size + SCALE_BYTES
-    return num_layers * per_state + topk * TOPK_TOKEN_BYTES + TOKEN_BYTES
+    top = topk * TOPK_TOKEN_BYTES + (TOPK_TAIL_BYTES if topk and topk_tail else 0)
+    return num_layers * per_state + top + TOKEN_BYTES
 
 
 SMALL_ARRAYS = {
@@ -45,9 +53,11 @@ SMALL_ARRAYS = {
     "sample_ids": (torch.int64, "int64"),
     "topk_ids": (torch.int32, "int32"),  # [T, k], only in a store with topk
     "topk_logprobs": (torch.float16, "float16"),  # [T, k], likewise
+    "topk_logtail": (torch.float32, "float32"),  # [T], likewise (stores written since the tail is kept)
     "hidden_scale": (torch.float32, "float32"),  # [T, K], only in an FP8 store
 }
 TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
+TOPK_TAIL_ARRAYS = ("topk_logtail",)
 FP8_ARRAYS = ("hidden_scale",)
 
 
@@ -95,6 +105,9 @@ class StoreMeta:
     # (the arrays topk_ids and topk_logprobs); 0 / None: not stored (and every older store).
     topk: int = 0
     topk_temperature: float | None = None
+    # Whether the top-k comes with the log of each token's tail mass (the array topk_logtail); every
+    # store with a top-k written before it was kept: False (its tail is derived from the fp16 entries).
+    topk_tail: bool = False
     # The hidden states' precision on disk: "target" (logical_dtype) or "float8_e4m3fn" (with a
     # float32 scale per token and stored layer, the array hidden_scale); every older store: "target".
     store_dtype: str = "target"
@@ -116,13 +129,15 @@ class StoreMeta:
     @property
     def arrays(self) -> tuple[str, ...]:
         """The arrays of every shard of this store, in checksum order."""
-        return ARRAYS + (TOPK_ARRAYS if self.topk else ()) + (FP8_ARRAYS if self.fp8 else ())
+        top = (TOPK_ARRAYS + (TOPK_TAIL_ARRAYS if self.topk_tail else ())) if self.topk else ()
+        return ARRAYS + top + (FP8_ARRAYS if self.fp8 else ())
 
     def __post_init__(self) -> None:
         self.layer_ids = [int(i) for i in self.layer_ids]
         self.last_layer = None if self.last_layer is None else int(self.last_layer)
         self.topk = int(self.topk or 0)
         self.topk_temperature = float(self.topk_temperature) if self.topk else None
+        self.topk_tail = bool(self.topk_tail) and bool(self.topk)
         if self.logical_dtype not in LOGICAL_DTYPES:
             raise ValueError(f"logical_dtype={self.logical_dtype!r}: use one of {sorted(LOGICAL_DTYPES)}")
         if self.store_dtype not in STORE_DTYPES:
@@ -154,6 +169,7 @@ class Shard:
     nbytes: int
     topk_ids: torch.Tensor | None = None  # [T, k] int32, in a store with the target's top-k
     topk_logprobs: torch.Tensor | None = None  # [T, k] float16
+    topk_logtail: torch.Tensor | None = None  # [T] float32, where the store keeps the tail
     hidden_scale: torch.Tensor | None = None  # [T, K] float32, in an FP8 store
 
     @property

@@ -51,7 +51,7 @@ class StorePaths:
     def bytes_per_token(self) -> int:
         m = self.meta
         return bytes_per_token(
-            m.stored_layers, m.hidden_size, self._torch_dtype.itemsize, m.topk, m.store_dtype
+            m.stored_layers, m.hidden_size, self._torch_dtype.itemsize, m.topk, m.store_dtype, m.topk_tail
         )
 
     def disk_bytes(self) -> int:

@@ -100,5 +100,6 @@ class ShardReader(StorePaths):
             int(attrs["nbytes"]),
             out.get("topk_ids"),
             out.get("topk_logprobs"),
-            out.get("hidden_scale"),
+            hidden_scale=out.get("hidden_scale"),
+            topk_logtail=out.get("topk_logtail"),
         )

@@ -7,7 +7,7 @@ Layout (all metadata is standard zarr v3 ``zarr.json``)::
     STORE/zarr.json                  group; attributes["dflash_store"] = {format_version,
                                      manifest_id, target_id, layer_ids, hidden_size,
                                      logical_dtype, compression, last_layer, topk,
-                                     topk_temperature, store_dtype}
+                                     topk_temperature, topk_tail, store_dtype}
     STORE/shards/zarr.json           group
     STORE/shards/e{E}/zarr.json      group, one per epoch
     STORE/shards/e{E}/j{J}/          group, one per job (a "shard"); attributes["dflash_shard"] =
@@ -21,8 +21,10 @@ Layout (all metadata is standard zarr v3 ``zarr.json``)::
         sample_ids/   [B] int64 (ids of the plan's samples)
         topk_ids/     [T, k] int32, only when topk > 0: the target's k most likely next tokens
                       after each token, most likely first
-        topk_logprobs/ [T, k] float16: their log-probabilities at topk_temperature (a log-softmax
-                      over the whole vocabulary, from the target's last layer, final norm and head)
+        topk_logprobs/ [T, k] float16: their log-probabilities at topk_temperature (over the whole
+                      vocabulary, from the target's last layer, final norm and head)
+        topk_logtail/ [T] float32, when topk_tail: the log of the probability mass outside the k
+                      (-inf when k covers the vocabulary), computed from the logits in log space
         hidden_scale/ [T, K] float32, only when store_dtype is "float8_e4m3fn": each stored state's
                       scale; hidden then holds e4m3 values, the state being hidden x scale
 
@@ -30,7 +32,9 @@ T is the number of real tokens (no padding), H = hidden_size, K = len(layer_ids)
 layers' outputs in ``layer_ids`` order, plus one when ``last_layer`` is set (the target's
 ``[target] store_last_layer``): then ``hidden[:, K-1]`` is the output of decoder layer
 ``last_layer`` (the last one), before the target's final norm. A store without the key (written
-before it existed) reads as ``last_layer = null``, and one without ``topk`` as ``topk = 0``. Each array
+before it existed) reads as ``last_layer = null``, one without ``topk`` as ``topk = 0``, and one
+without ``topk_tail`` as ``false`` (its shards have no ``topk_logtail``; the trainer then derives the
+tail from the fp16 entries and says so). Each array
 is a single chunk (chunk shape = shape, or 1 where a dimension is 0) stored in the file
 ``<array>/c.0[.0.0]`` (default chunk key encoding, separator "."), codecs ``bytes`` (little
 endian) and, if the store's compression is "zstd", ``zstd`` level 1. ``hidden`` is stored as
@@ -46,8 +50,8 @@ back as float8_e4m3fn with its ``hidden_scale``, the bytes as written. A store h
 Integrity: ``arrays[name].xxh3`` is the XXH3-64 digest (16 hex digits) of the array's raw
 (uncompressed) little-endian bytes; ``checksum`` = ``"xxh3_64:"`` + the XXH3-64 digest of the
 array digests as 8-byte big-endian values, concatenated in the order hidden, input_ids,
-loss_mask, cu_seqlens, sample_ids (then topk_ids, topk_logprobs when stored, then hidden_scale in
-FP8). ``nbytes`` is the total size of the chunk files. The manifest records (nbytes, checksum)
+loss_mask, cu_seqlens, sample_ids (then topk_ids, topk_logprobs[, topk_logtail] when stored, then
+hidden_scale in FP8). ``nbytes`` is the total size of the chunk files. The manifest records (nbytes, checksum)
 when it marks a job ``written``; readers pass the checksum back as ``expected_checksum`` and get
 :class:`ShardCorruptError` if the shard was replaced. A missing shard raises
 :class:`ShardMissingError`, a short file :class:`ShardTruncatedError`, a digest mismatch

@@ -18,9 +18,11 @@ import torch
 from dflash_staged.store.cleanup import ShardCleanup
 from dflash_staged.store.fp8 import FP8, quantize
 from dflash_staged.store.meta import (
+    ARRAYS,
     FORMAT_VERSION,
     SMALL_ARRAYS,
     TOPK_ARRAYS,
+    TOPK_TAIL_ARRAYS,
     ShardInfo,
     StagedShard,
     StoreFullError,
@@ -118,10 +120,14 @@ class ShardWriter(ShardCleanup):
                 f"this store holds the target's top-{k} log-probabilities: give {'them' if k else 'none'}"
             )
         if k:
-            for name, val in zip(TOPK_ARRAYS, topk):
+            names = self.meta.arrays[len(ARRAYS) : len(ARRAYS) + len(TOPK_ARRAYS) + self.meta.topk_tail]
+            if len(topk) != len(names):
+                raise ValueError(f"this store holds {', '.join(names)}: give {len(names)} top-k tensors")
+            for name, val in zip(names, topk):
                 val = torch.as_tensor(val).detach().to("cpu")
-                if tuple(val.shape) != (t, k):
-                    raise ValueError(f"{name} has shape {tuple(val.shape)}; this store wants [{t}, {k}]")
+                want = (t,) if name in TOPK_TAIL_ARRAYS else (t, k)
+                if tuple(val.shape) != want:
+                    raise ValueError(f"{name} has shape {tuple(val.shape)}; this store wants {list(want)}")
                 out[name] = val.to(SMALL_ARRAYS[name][0]).contiguous()
         if self.meta.fp8:  # the checksum's order: the store's arrays (meta.arrays)
             out["hidden_scale"] = out.pop("hidden_scale")
@@ -132,7 +138,8 @@ class ShardWriter(ShardCleanup):
         topk=None, hidden_scale=None,
     ) -> ShardInfo:  # fmt: skip
         """Publish one shard atomically (replacing an older one of the same job); return its size and
-        checksum. ``topk``: the target's (ids, log-probabilities) ``[T, k]``, in a store that holds them.
+        checksum. ``topk``: the target's (ids, log-probabilities) ``[T, k]`` and the tail's log-mass ``[T]``
+        (where the store keeps it), in a store that holds them.
         In an FP8 store ``hidden`` is quantized here, or comes quantized with ``hidden_scale``."""
         staged = self.stage_shard(
             epoch, job_id, hidden, input_ids, loss_mask, cu_seqlens, sample_ids, topk, hidden_scale

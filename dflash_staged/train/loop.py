@@ -64,6 +64,8 @@ def microbatches(shard, max_tokens: int, max_rows: int = 0, rows: list[int] | No
         }
         if topk:  # the target's top-k, in a store that holds them
             mb.update(topk_ids=shard.topk_ids[a:b], topk_logprobs=shard.topk_logprobs[a:b])
+            if getattr(shard, "topk_logtail", None) is not None:  # (a store written since it is kept)
+                mb["topk_logtail"] = shard.topk_logtail[a:b]
         if getattr(shard, "hidden_scale", None) is not None:  # FP8: dequantized on the device
             mb["hidden_scale"] = shard.hidden_scale[a:b]
         out.append(mb)

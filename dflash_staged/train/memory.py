@@ -43,6 +43,7 @@ import torch
 
 from dflash_staged.config import TrainConfig
 from dflash_staged.errors import DflashError
+from dflash_staged.store.meta import TOPK_TAIL_BYTES, TOPK_TOKEN_BYTES
 
 ROW_ELEMS = 6.5  # saved elements a row per layer, in units of (hidden + intermediate), each saved once
 LOSS_BUFFERS = 3  # fp32 [loss_chunk, vocab] tensors of the head with ce alone: logits, softmax, gradient
@@ -128,7 +129,8 @@ def estimate(
     kv = 2 * c.num_key_value_heads * c.head_dim
     taps += 1 if target_logits and not topk else 0  # the target's last layer, read beside the taps
     ctx_elems = t.microbatch_tokens * (taps * H + 2 * H + L * kv * (1 if t.activation_checkpointing else 2))
-    ctx_elems += t.microbatch_tokens * topk * 6 // act  # or its top-k: int32 ids, fp16 log-probabilities
+    top_bytes = topk * TOPK_TOKEN_BYTES + (TOPK_TAIL_BYTES if topk else 0)  # ids, log-probabilities, tail
+    ctx_elems += t.microbatch_tokens * top_bytes // act  # (the top-k, read instead of the last layer)
     ctx_elems += t.microbatch_tokens * taps * (H + 4) // act if fp8 else 0  # the FP8 copy and its scales
     if device_bytes is None:
         device_bytes = torch.cuda.get_device_properties(device).total_memory if cuda else 0

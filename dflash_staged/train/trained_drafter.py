@@ -183,10 +183,25 @@ def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> tor
     from dflash_staged.model.drafters.registry import family
 
     meta, fam = store.meta, family(cfg.drafter.architecture)
+    k = cfg.train.target_topk
+    if k > meta.topk:
+        held = f"its top-{meta.topk}" if meta.topk else "no top-k (its last layer serves the terms)"
+        raise DflashError(
+            f"train.target_topk = {k}, but store {store.root} holds {held}: set train.target_topk to at most "
+            f"{meta.topk} (0 = all stored), or plan with [target] store_topk = {k} and extract again"
+        )
     if meta.last_layer is not None:
         return load_final_norm(cfg.target, device)
     wanted = fam.needs_target or cfg.train.needs_target
     if meta.topk:
+        if not meta.topk_tail:
+            print(
+                f"train: store {store.root} holds the target's top-{meta.topk} without the tail's mass "
+                "(written before it was stored): the tail is taken as 1 - the sum of the fp16 entries, "
+                "unreliable below ~1e-4 on peaked rows; extract again into a new store to keep it exactly",
+                file=sys.stderr,
+                flush=True,
+            )
         t, ts = cfg.train.distill_temperature, meta.topk_temperature
         if fam.needs_target and ts != 1.0:
             raise DflashError(

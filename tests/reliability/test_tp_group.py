@@ -261,16 +261,17 @@ def test_tp2_extract_stores_the_targets_topk_as_one_process_does(tmp_path):
     with Manifest.open(mdir, readonly=True) as m:
         target = load_target(m.config.target, "cpu", layer_ids=m.meta["layer_ids"])
         store = ShardStore.open(store_dir)
-        assert store.meta.topk == 8 and store.meta.last_layer is None
+        assert store.meta.topk == 8 and store.meta.topk_tail and store.meta.last_layer is None
         n = 0
         for j in m.jobs():
             shard = store.read_shard(j.epoch, j.id, j.checksum)
             seqs = [torch.from_numpy(m.sample(s)[0].astype("int64")) for s in j.sample_ids]
             ids, attn, lengths = pad_batch(seqs)
             last = pack_unpadded(target.capture(ids, attn), lengths)[:, -1]
-            want_ids, want_lp = target.topk_of(last)
+            want_ids, want_lp, want_tail = target.topk_of(last)
             assert shard.hidden.shape[1] == len(m.meta["layer_ids"])  # the last layer itself is not stored
             assert torch.equal(shard.topk_ids, want_ids)
             torch.testing.assert_close(shard.topk_logprobs.float(), want_lp.float(), atol=1e-2, rtol=1e-3)
+            torch.testing.assert_close(shard.topk_logtail, want_tail, atol=1e-3, rtol=1e-3)
             n += 1
     assert n > 0

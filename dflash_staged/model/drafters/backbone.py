@@ -59,7 +59,8 @@ from dflash_staged.model.drafters.config import (  # noqa: F401 (re-export)
     SLIDING,
     DraftModelConfig,
 )
-from dflash_staged.model.drafters.layers import RMSNorm, SwiGLU, rotate, transform_logits
+from dflash_staged.model.drafters.layers import RMSNorm, SwiGLU, rotate
+from dflash_staged.model.target.logits import transform_logits
 
 
 class Attention(nn.Module):

@@ -10,9 +10,18 @@ Contract (the families' objectives weigh nothing after it: the rows' weights com
   forms ``u = transform(h W^T) + m w2^T`` and the target's ``p`` (full, or the top-k's ``p~`` of
   :mod:`dflash_staged.model.drafters.target_dist`), and returns the weighted sum
   ``sum_i w_i (ce_weight CE_i + l1_weight |q_i - p_i|_1)`` (differentiable in ``h``, ``m``, ``w2``) and,
-  detached, each row's CE, L1, acceptance ``clamp(1 - L1 / 2, 0, 1)``, whether its argmax is the label
-  and whether it is the target's argmax; with ``cand_k > 0`` also the top ``cand_k`` of each row's
-  ``u`` and the target's probabilities on them (DSpine's refinement candidates).
+  detached, each row's CE, L1, acceptance, whether its argmax is the label and whether it is the
+  target's argmax; with ``cand_k > 0`` also the top ``cand_k`` of each row's ``u`` and the target's
+  probabilities on them (DSpine's refinement candidates).
+* **With the last layer** every value is the reference's: the acceptance is ``sum min(p, q)`` (``1 -
+  TV``, formed from the minima, not as ``1 - L1 / 2``), a candidate's probability the target's own.
+* **With the top-k** the L1 is the bucketed one (a lower bound of the full L1; see ``target_dist``).
+  The acceptance is ``sum_top min(p, q) + min(r, sum_tail min(q_i, p_k))``: exact on the ids, and on
+  the tail the tightest upper bound the store gives (no tail token's probability exceeds the k-th
+  stored one, ``p_k``, and they hold ``r`` together), where the bucketed ``min(r, q_rest)`` overstates
+  it more. A candidate outside the stored ids gets probability 0 (unknown; at most ``p_k``), so
+  DSpine's candidate mass, and its threshold test, count only the known mass (a lower bound), never
+  the drafter's own belief.
 * The gradients are formed in the forward, per chunk (``d CE / du = q - onehot``,
   ``d L1 / du = q (s - <s, q>)`` with ``s = sign(q - p)``, ``p`` held constant), and kept: the backward
   only scales them. No ``[rows, V]`` tensor outlives its chunk and nothing is recomputed, so a row
@@ -26,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_staged.model.drafters.layers import transform_logits
-from dflash_staged.model.drafters.target_dist import topk_logp
+from dflash_staged.model.drafters.target_dist import TopK, topk_logp
+from dflash_staged.model.target.logits import log_probs, target_logits, transform_logits, transform_slope
 
 
 class HeadInputs(NamedTuple):
@@ -37,7 +46,7 @@ class HeadInputs(NamedTuple):
     tpos: torch.Tensor  # [R] the position whose target distribution each row learns
     last: torch.Tensor | None  # [T, H] the target's last layer (with norm), or None
     norm: torch.nn.Module | None
-    top: tuple[torch.Tensor, torch.Tensor] | None  # the target's top-k [T, k] (ids, log-probs), or None
+    top: TopK | None  # the target's top-k over the T positions, or None
     multiplier: float
     softcap: float | None
     ce_weight: float
@@ -46,10 +55,26 @@ class HeadInputs(NamedTuple):
     cand_k: int = 0  # also return each row's top cand_k candidates and the target's mass on them
 
 
-def _slope(raw: torch.Tensor, multiplier: float, softcap: float | None):
-    if softcap:
-        return multiplier * (1 - torch.tanh(raw * (multiplier / softcap)).pow(2))
-    return multiplier
+def acceptance(p: torch.Tensor, q: torch.Tensor, top: TopK | None) -> torch.Tensor:
+    """Each row's acceptance rate ``sum min(p, q)``; from a top-k, the tightest upper bound the stored
+    values give (see the module contract)."""
+    if top is None:
+        return torch.minimum(p, q).sum(-1).clamp_(0.0, 1.0)
+    ids = top.ids.long()
+    on_ids = torch.minimum(p.gather(1, ids), q.gather(1, ids)).sum(-1)
+    floor = p.gather(1, ids[:, -1:])  # the k-th stored probability: no tail token's is larger
+    tail = torch.minimum(q, floor).scatter_(1, ids, 0.0).sum(-1)
+    return (on_ids + torch.minimum(tail, top.tail().to(tail.dtype).exp())).clamp_(0.0, 1.0)
+
+
+def candidate_mass(p: torch.Tensor, cand: torch.Tensor, top: TopK | None) -> torch.Tensor:
+    """The target's probability of each candidate ``[c, n]``; from a top-k, a candidate outside the
+    stored ids gets 0 (its true probability is unknown, at most the k-th stored one's)."""
+    mass = p.gather(1, cand)
+    if top is None:
+        return mass
+    known = (cand[:, :, None] == top.ids[:, None, :].long()).any(-1)
+    return mass * known
 
 
 class _Head(torch.autograd.Function):
@@ -75,26 +100,26 @@ class _Head(torch.autograd.Function):
                 u = transform_logits(raw, x.multiplier, x.softcap)
                 if m is not None:
                     u = u + (m[s:e].to(w2.dtype) @ w2.t()).float()
-                logq = torch.log_softmax(u, -1)
+                logq = log_probs(u)
                 q = logq.exp()
                 pos, y = x.tpos[s:e], x.labels[s:e]
                 if x.top is None:
-                    xt = x.norm(x.last[pos]).to(W.dtype)
-                    t = transform_logits((xt @ W.t()).float(), x.multiplier, x.softcap)
-                    p, argmax = torch.softmax(t, -1), t.argmax(-1)
-                    del t, xt
+                    head = lambda v: v.to(W.dtype) @ W.t()  # noqa: E731
+                    t = target_logits(x.last[pos], x.norm, head, x.multiplier, x.softcap)
+                    p, argmax, top_k = log_probs(t).exp_(), t.argmax(-1), None
+                    del t
                 else:
-                    ids = x.top[0][pos]
-                    p, argmax = topk_logp(q, ids, x.top[1][pos]).exp(), ids[:, 0].long()
+                    top_k = x.top.rows(pos)
+                    p, argmax = topk_logp(logq, top_k).exp_(), top_k.ids[:, 0].long()
                 ce[s:e] = -logq.gather(1, y[:, None])[:, 0]
                 sign = torch.sign(q - p)
                 l1[s:e] = (q - p).abs().sum(-1)
-                accept[s:e] = (1.0 - 0.5 * l1[s:e]).clamp(0.0, 1.0)
+                accept[s:e] = acceptance(p, q, top_k)
                 top = u.argmax(-1)
                 hits[s:e], t_hits[s:e] = top == y, top == argmax
                 if x.cand_k:
                     cand[s:e] = u.topk(min(x.cand_k, u.shape[-1]), dim=-1).indices
-                    p_cand[s:e] = p.gather(1, cand[s:e])
+                    p_cand[s:e] = candidate_mass(p, cand[s:e], top_k)
                 del logq, p
                 if need_h or need_m or need_w2:
                     g = sign.sub_((sign * q).sum(-1, keepdim=True)).mul_(q).mul_(x.l1_weight)
@@ -108,7 +133,7 @@ class _Head(torch.autograd.Function):
                         grad_w2 += g.t() @ m[s:e].float()
                     if grad_h is not None:
                         if x.softcap or x.multiplier != 1.0:
-                            g.mul_(_slope(raw, x.multiplier, x.softcap))
+                            g.mul_(transform_slope(raw, x.multiplier, x.softcap))
                         grad_h[s:e] = (g.to(W.dtype) @ W).to(h.dtype)
                     del g
                 del q, u, raw, sign

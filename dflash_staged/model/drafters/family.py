@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dflash_staged.errors import DflashError
+from dflash_staged.model.drafters.target_dist import TopK
 
 
 class FamilyBatch(NamedTuple):
@@ -62,9 +63,7 @@ class FamilyBatch(NamedTuple):
     loss_chunk: int
     generator: torch.Generator | None
     gamma: float  # train.gamma: the position weights' decay
-    topk: tuple[torch.Tensor, torch.Tensor] | None = (
-        None  # the target's top-k [T, k] (ids, log-probs), without `last`
-    )
+    topk: TopK | None = None  # the target's top-k over the T positions, without `last`
 
 
 class FamilyRows(NamedTuple):

@@ -1,5 +1,5 @@
-"""Small pieces every drafter family shares: Qwen3's RMSNorm and SwiGLU MLP, RoPE's rotation and the
-target's logit transform."""
+"""Small pieces every drafter family shares: Qwen3's RMSNorm and SwiGLU MLP, and RoPE's rotation (the
+target's logit transform is in :mod:`dflash_staged.model.target.logits`)."""
 
 from __future__ import annotations
 
@@ -40,10 +40,3 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
-
-
-def transform_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
-    """The target's logit scaling: ``s * tanh(m * logits / s)`` with a softcap ``s``, else ``m * logits``."""
-    if softcap:
-        return softcap * torch.tanh(logits * (multiplier / softcap))
-    return logits * multiplier if multiplier != 1.0 else logits

@@ -115,12 +115,15 @@ def load_target(
     layer_ids: list[int] | None = None,
     num_draft_layers: int = 1,
     tp: int = 1,
+    logit_transform: tuple[float, float] | None = None,
 ) -> Target:
     """Load the target LM on ``device`` in eval mode, after the kernel preflight.
 
     ``layer_ids`` overrides the tapped layers; otherwise :func:`resolve_layer_ids`
     picks them from ``cfg`` and ``num_draft_layers``. ``tp > 1`` loads this process's
     slice of a tensor-parallel target (contract: :mod:`dflash_staged.model.target.parallel`).
+    ``logit_transform``: the run's ``(output_multiplier, final_logit_softcapping)``, which the top-k
+    are formed with (:mod:`dflash_staged.model.target.logits`); None: what the target's config says.
     """
     from dflash_staged.model.target.parallel import check_sharded, check_tp, shard_built_model, tp_kwargs
 
@@ -174,6 +177,7 @@ def load_target(
         last_layer=cfg.store_last_layer,
         topk=cfg.store_topk,
         topk_temperature=cfg.topk_temperature,
+        logit_transform=logit_transform,
     )
     if tp > 1:
         check_sharded(model, target.layers, tp, what)

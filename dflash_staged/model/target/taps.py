@@ -16,6 +16,7 @@ import torch
 from dflash_staged.config import TargetConfig, dflash_target_layers
 from dflash_staged.errors import DflashError
 from dflash_staged.model.target.dims import text_config
+from dflash_staged.model.target.logits import check_transform, declared_transform, log_probs, target_logits
 from dflash_staged.model.target.preflight import is_hybrid_config
 
 # Candidate locations of the decoder layer list, most common first.
@@ -110,6 +111,7 @@ class Target:
         last_layer: bool = False,
         topk: int = 0,
         topk_temperature: float = 1.0,
+        logit_transform: tuple[float, float] | None = None,
     ):
         self.model = model.eval().requires_grad_(False)
         cfg = model_config if model_config is not None else model.config
@@ -131,7 +133,9 @@ class Target:
         self.captured_ids: list[int] = self.stored_ids + (
             [self.num_layers - 1] if topk and not last_layer else []
         )
-        self.softcap = float(getattr(text, "final_logit_softcapping", None) or 0.0)
+        # the run's logit scaling ([drafter] output_multiplier, final_logit_softcapping), which the
+        # top-k are formed with as the trainer forms the drafter's logits; held to what config.json says
+        self.logit_transform = check_transform(declared_transform(text), logit_transform, target_id)
         self.target_id = target_id
         self.device = torch.device(device)
         self.dtype: torch.dtype = next(model.parameters()).dtype
@@ -198,21 +202,30 @@ class Target:
         return out
 
     @torch.inference_mode()
-    def topk_of(self, last: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    def topk_of(self, last: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, ...]:
         """The target's top-``topk`` next-token log-probabilities at ``topk_temperature`` from its last
-        decoder layer's outputs ``last [T, H]`` (before the final norm): its final norm, head and
-        softcap, a log-softmax over the whole vocabulary in fp32, ``chunk`` tokens at a time ->
-        (ids ``[T, k]`` int32, most likely first; log-probabilities ``[T, k]`` float16)."""
+        decoder layer's outputs ``last [T, H]`` (before the final norm): its logits as
+        :func:`~dflash_staged.model.target.logits.target_logits` forms them (final norm, head, the run's
+        ``logit_transform``) over the temperature, their log-probabilities over the whole vocabulary in
+        fp32 (:func:`~dflash_staged.model.target.logits.log_probs`), ``chunk`` tokens at a time -> (ids
+        ``[T, k]`` int32, most likely first; log-probabilities ``[T, k]`` float16; the log of the mass
+        outside them ``[T]`` float32, the logsumexp of the others' log-probabilities: exact however
+        small, ``-inf`` when ``k`` covers the vocabulary)."""
         norm, head = self._final_norm(), self.model.get_output_embeddings()
-        ids = torch.empty(last.shape[0], self.topk, dtype=torch.int32, device=last.device)
-        logp = torch.empty(last.shape[0], self.topk, dtype=torch.float16, device=last.device)
-        for s in range(0, last.shape[0], chunk):
-            logits = head(norm(last[s : s + chunk])).float()
-            if self.softcap:
-                logits = self.softcap * torch.tanh(logits / self.softcap)
-            v, i = torch.log_softmax(logits / self.topk_temperature, -1).topk(self.topk, dim=-1)
+        multiplier, softcap = self.logit_transform
+        n, dev = last.shape[0], last.device
+        ids = torch.empty(n, self.topk, dtype=torch.int32, device=dev)
+        logp = torch.empty(n, self.topk, dtype=torch.float16, device=dev)
+        logtail = torch.empty(n, dtype=torch.float32, device=dev)
+        for s in range(0, n, chunk):
+            z = target_logits(last[s : s + chunk], norm, head, multiplier, softcap)
+            lp = log_probs(z.div_(self.topk_temperature))
+            del z
+            v, i = lp.topk(self.topk, dim=-1)
             ids[s : s + chunk], logp[s : s + chunk] = i, v.clamp_min(-60000.0)
-        return ids, logp
+            logtail[s : s + chunk] = torch.logsumexp(lp.scatter_(1, i, float("-inf")), -1)
+            del lp
+        return ids, logp, logtail
 
     def _final_norm(self) -> torch.nn.Module:
         """The norm after the last decoder layer: the ``norm`` beside the layer list."""

@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_staged.model.drafters.layers import transform_logits
+from dflash_staged.model.drafters.target_dist import TopK
+from dflash_staged.model.target.logits import log_probs, target_logits, transform_logits, transform_slope
 from dflash_staged.train.objective.terms import Chunk, combine
 
 
@@ -51,12 +52,11 @@ class TargetRows(NamedTuple):
 
 
 class TopkRows(NamedTuple):
-    """The target's side of the head from its stored top-k: ids ``[T, k]`` and log-probabilities
-    ``[T, k]`` at the distillation temperature, and the position each head row reads (``pos [P]``).
+    """The target's side of the head from its stored top-k (:class:`TopK` over ``T`` positions, at the
+    distillation temperature) and the position each head row reads (``pos [P]``).
     :mod:`dflash_staged.model.drafters.target_dist` says how the tail is treated."""
 
-    ids: torch.Tensor
-    logp: torch.Tensor
+    top: TopK
     pos: torch.Tensor
 
 
@@ -71,13 +71,6 @@ class HeadRows(NamedTuple):
     target_hits: torch.Tensor  # [P] bool: the drafter's argmax is the target's
     overlap: torch.Tensor  # [P] sum min(p, q) at temperature 1
     top_mass: torch.Tensor  # [P] the target's probability on the top-k candidates (DFlash2)
-
-
-def _slope(raw: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor | float:
-    """d transform / d raw logit (a float when constant)."""
-    if softcap:
-        return multiplier * (1 - torch.tanh(raw * (multiplier / softcap)).pow(2))
-    return multiplier
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -107,32 +100,31 @@ class _ChunkedHead(torch.autograd.Function):
                 u = transform_logits(raw, multiplier, softcap)
                 t = top = None
                 if isinstance(target, TopkRows):
-                    rows = target.pos[s:e]
-                    top = (target.ids[rows], target.logp[rows])
+                    top = target.top.rows(target.pos[s:e])
                 elif with_t:
-                    x = target.norm(target.states[target.pos[s:e]]).to(weight.dtype)
-                    t = transform_logits((x @ weight.t()).float(), multiplier, softcap)
+                    head = lambda x: x.to(weight.dtype) @ weight.t()  # noqa: E731
+                    t = target_logits(target.states[target.pos[s:e]], target.norm, head, multiplier, softcap)
                 c = Chunk(u, y, t, temperature, lk_eta, top=top)
                 value, g = combine(terms, c)
                 loss[s:e] = value
                 argmax = u.argmax(-1)
                 hits[s:e] = argmax == y
                 label = c.target_ids if with_t and target_label else y
-                p_label[s:e] = (u.gather(1, label[:, None])[:, 0] - c.lse).exp()
+                p_label[s:e] = c.q1.gather(1, label[:, None])[:, 0]
                 if with_t:  # (with the top-k at another temperature: the overlap at that temperature)
                     t_ids[s:e], t_hits[s:e] = c.target_ids, argmax == c.target_ids
                     at_t = temperature == 1.0 or t is None
-                    p1 = c.p if at_t else torch.softmax(t, -1)
+                    p1 = c.p if at_t else log_probs(t).exp_()
                     overlap[s:e] = c.overlap if at_t else torch.minimum(p1, c.q1).sum(-1)
                 if top_k:
                     v, i = u.topk(top_k, dim=-1)
                     vals[s:e], ids[s:e] = v, i
-                    slope[s:e] = _slope(raw.gather(1, i), multiplier, softcap)
+                    slope[s:e] = transform_slope(raw.gather(1, i), multiplier, softcap)
                     if with_t:
                         mass[s:e] = p1.gather(1, i).sum(-1)
                 if need_grad:  # d loss / d u, then through the transform and the head
                     if softcap or multiplier != 1.0:
-                        g.mul_(_slope(raw, multiplier, softcap))
+                        g.mul_(transform_slope(raw, multiplier, softcap))
                     grad_h[s:e] = (g.to(weight.dtype) @ weight).to(h.dtype)
                 del c, u, t, g, raw
         ctx.save_for_backward(grad_h if need_grad else None)

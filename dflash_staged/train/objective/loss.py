@@ -10,6 +10,7 @@ import torch
 
 from dflash_staged.errors import DflashError
 from dflash_staged.model.drafters.family import FamilyBatch, FamilyRows
+from dflash_staged.model.drafters.target_dist import TopK
 from dflash_staged.train.objective.anchors import add_noise, block_labels, sample_anchors
 from dflash_staged.train.objective.head import TargetRows, TopkRows, head_rows
 from dflash_staged.train.objective.metrics import block_acceptance, expected_acceptance, zero_stats
@@ -138,8 +139,10 @@ def dflash_loss(
     full = last is not None and target_norm is not None
     topk = None
     if not full and target_topk is not None and isinstance(batch, dict) and "topk_ids" in batch:
-        k = target_topk or None
-        topk = (batch["topk_ids"][:, :k].to(dev), batch["topk_logprobs"][:, :k].to(dev))
+        tail = batch.get("topk_logtail")  # (None in a store written before the tail was kept)
+        topk = TopK(
+            batch["topk_ids"].to(dev), batch["topk_logprobs"].to(dev), None if tail is None else tail.to(dev)
+        ).first(target_topk)
     fam = drafter.family
     if fam.needs_target and not (full or topk is not None):
         raise DflashError(
@@ -174,7 +177,7 @@ def dflash_loss(
     if full:
         target = TargetRows(last, pos, target_norm)
     elif topk is not None:
-        target = TopkRows(*topk, pos)
+        target = TopkRows(topk, pos)
     selector, c = getattr(drafter, "selector", None), drafter.dcfg
     head = head_rows(
         out.reshape(-1, out.shape[-1]),

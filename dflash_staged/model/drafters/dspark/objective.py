@@ -14,8 +14,9 @@ DeepSpec's: ``loss_mask`` on the anchor and on the next token):
   (:mod:`dflash_staged.model.drafters.target_dist`: the L1 term is then the bucketed one).
 * **Terms**, each a weighted sum over the rows: ``ce_weight`` x CE of ``u_k`` on the label,
   ``l1_weight`` x ``sum |softmax(u_k) - p_k|`` (twice the total variation), and ``confidence_weight``
-  x the confidence head's BCE against ``1 - TV = clamp(1 - L1 / 2, 0, 1)`` (detached). DeepSpec
-  divides each by the same weight sum; the trainer divides the step's sum by its total weight, the
+  x the confidence head's BCE against the acceptance ``sum min(p, q) = 1 - TV`` (detached; from a
+  top-k, the tightest upper bound the store gives: :mod:`dflash_staged.model.drafters.distill_head`).
+  DeepSpec divides each by the same weight sum; the trainer divides the step's sum by its total weight, the
   same thing. The confidence head's gradient reaches the backbone and the Markov embedding, as in
   the reference.
 * **Memory and cost.** The head runs over ``loss_chunk`` rows at a time with its gradients formed in

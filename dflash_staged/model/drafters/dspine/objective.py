@@ -14,8 +14,9 @@ Contract (one microbatch; anchors by :mod:`dflash_staged.train.objective`'s rule
   ``c x CE + (1 - c) x sum |softmax(u) - p|`` (``u`` the head's logits of the final state, ``p`` the
   target's distribution at ``a + j - 1``); the refinement over the top ``top_k`` candidates of ``u``
   (detached), scored by ``refine(pre_j, ids[a + j - 1]) . W[c]``; with the target's top-k instead of
-  its last layer, ``p`` is :mod:`dflash_staged.model.drafters.target_dist`'s (a candidate outside the
-  top-k gets the tail's share in proportion to the drafter's own ``q``): ``c x`` its CE on the label when the
+  its last layer, a candidate's ``p`` is its stored probability, and 0 outside the stored ids (unknown;
+  :mod:`dflash_staged.model.drafters.distill_head`), so the candidates' mass and the threshold count
+  only the mass the store knows: ``c x`` its CE on the label when the
   label is a candidate (else 0) ``+ (1 - c) x`` its L1 to ``p`` renormalised over the candidates, where
   those hold more than ``candidate_mass_threshold`` of ``p``; and the alignment: ``1 - cos`` between
   every layer's feature and the label's code, summed over the layers, times ``beta x`` the batch's

@@ -9,9 +9,12 @@ Contract (:mod:`dflash_staged.train.objective.head` calls :func:`combine` once p
 * A :class:`Chunk` holds the drafter's logits ``u`` and, for terms on the target's distribution,
   the target's logits ``t`` (recomputed from its stored last layer with its final norm and head, and
   the same logit transform) or its stored top-k (``top``: ids and log-probabilities at the
-  distillation temperature; :mod:`dflash_staged.model.drafters.target_dist` says how the tail is
-  treated), and computes what the terms share on first use: the drafter's and the target's
-  log-probabilities at ``train.distill_temperature`` (``q``, ``p``), the overlap ``sum min(p, q)``.
+  distillation temperature, and the log of the tail's mass;
+  :mod:`dflash_staged.model.drafters.target_dist` says how the tail is treated), and computes what the
+  terms share on first use: the drafter's and the target's log-probabilities at
+  ``train.distill_temperature`` (``q``, ``p``; as ``x - logsumexp(x)``,
+  :func:`~dflash_staged.model.target.logits.log_probs`), the overlap ``sum min(p, q)`` and the total
+  variation ``sum |p - q| / 2`` (never as ``1 - overlap``: near 1 that difference is float32's rounding).
   ``ce`` reads the data's label; every other term the target's distribution.
 * :func:`combine` sums the weighted terms of ``train.loss``. Adding a term: a module here with a
   function decorated ``@term("name", needs_target=...)``, imported below, and its name in
@@ -29,7 +32,8 @@ from typing import NamedTuple
 import torch
 
 from dflash_staged.errors import DflashError
-from dflash_staged.model.drafters.target_dist import topk_logp
+from dflash_staged.model.drafters.target_dist import TopK, topk_logp
+from dflash_staged.model.target.logits import log_probs
 
 
 class Chunk:
@@ -44,10 +48,10 @@ class Chunk:
         t: torch.Tensor | None = None,
         temperature: float = 1.0,
         lk_eta: float = 3.0,
-        top: tuple[torch.Tensor, torch.Tensor] | None = None,
+        top: TopK | None = None,
     ):
         self.u, self.labels, self.t, self.T, self.lk_eta = u, labels, t, float(temperature), float(lk_eta)
-        self.top = top  # (ids [c, k], log-probabilities [c, k]) of the target at T, instead of t
+        self.top = top  # the target's top-k at T (ids, log-probabilities, log tail), instead of t
 
     def needs_target(self, name: str) -> torch.Tensor | None:
         if self.t is None and self.top is None:
@@ -56,24 +60,22 @@ class Chunk:
 
     # -- the drafter at temperature 1 (cross-entropy) -------------------------------------------------
     @cached_property
-    def lse(self) -> torch.Tensor:
-        return torch.logsumexp(self.u, -1)
+    def logq1(self) -> torch.Tensor:
+        return log_probs(self.u)
 
     @cached_property
     def q1(self) -> torch.Tensor:
-        return (self.u - self.lse[:, None]).exp()
+        return self.logq1.exp()
 
     @cached_property
     def target_ids(self) -> torch.Tensor:
         t = self.needs_target("ce_target")
-        return self.top[0][:, 0].long() if t is None else t.argmax(-1)
+        return self.top.ids[:, 0].long() if t is None else t.argmax(-1)
 
     # -- both distributions at the distillation temperature -------------------------------------------
     @cached_property
     def logq(self) -> torch.Tensor:
-        if self.T == 1.0:
-            return self.u - self.lse[:, None]
-        return torch.log_softmax(self.u / self.T, -1)
+        return self.logq1 if self.T == 1.0 else log_probs(self.u / self.T)
 
     @cached_property
     def q(self) -> torch.Tensor:
@@ -83,8 +85,8 @@ class Chunk:
     def logp(self) -> torch.Tensor:
         t = self.needs_target("a distribution term")
         if t is None:
-            return topk_logp(self.q, *self.top)
-        return torch.log_softmax(t / self.T, -1)
+            return topk_logp(self.logq, self.top)
+        return log_probs(t / self.T)
 
     @cached_property
     def p(self) -> torch.Tensor:
@@ -99,6 +101,11 @@ class Chunk:
     def overlap(self) -> torch.Tensor:
         """``alpha = sum min(p, q)`` per row at the distillation temperature: the acceptance rate."""
         return torch.minimum(self.p, self.q).sum(-1)
+
+    @cached_property
+    def tv(self) -> torch.Tensor:
+        """``sum |p - q| / 2`` per row: the rejection rate, formed from the differences themselves."""
+        return (self.p - self.q).abs().sum(-1).mul_(0.5)
 
 
 class Term(NamedTuple):

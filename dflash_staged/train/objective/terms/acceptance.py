@@ -2,7 +2,8 @@
 probability ``alpha = sum min(p, q)`` (the overlap of the target's ``p`` and the drafter's ``q``), so
 total variation ``TV = 1 - alpha`` is the rejection rate.
 
-* ``tv``: ``1 - sum min(p, q)``. With ``z = u / T`` and ``S`` the tokens where ``q <= p``,
+* ``tv``: ``1 - sum min(p, q)``, formed as ``sum |p - q| / 2`` (exact near 0, where a difference
+  from 1 would be float32's rounding). With ``z = u / T`` and ``S`` the tokens where ``q <= p``,
   d/dz_i = ``-q_i (1[i in S] - sum_{j in S} q_j)`` (the sign convention of Liger's and vLLM
   speculators' TV kernels); its gradient vanishes where the two barely overlap, hence:
 * ``lk``: the hybrid LK loss of Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for
@@ -29,7 +30,7 @@ ALPHA_MIN = 1e-5
 def tv_value_grad(c: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
     below = c.below
     s = (c.q * below).sum(-1, keepdim=True)
-    return 1.0 - c.overlap, below.to(c.q.dtype).sub_(s).mul_(c.q).mul_(-1.0 / c.T)
+    return c.tv, below.to(c.q.dtype).sub_(s).mul_(c.q).mul_(-1.0 / c.T)
 
 
 @term("tv", needs_target=True)
@@ -54,6 +55,9 @@ def lk(c: Chunk):
 def lk_alpha(c: Chunk):
     raw = c.overlap
     alpha = raw.clamp_min(ALPHA_MIN)
-    _, tv_g = tv_value_grad(c)
-    scale = torch.where(raw >= ALPHA_MIN, 1.0 / alpha, torch.zeros_like(alpha))  # clamped: no gradient
-    return -alpha.log(), tv_g.mul_(scale[:, None])
+    tv, tv_g = tv_value_grad(c)
+    clamped = raw < ALPHA_MIN
+    scale = torch.where(clamped, torch.zeros_like(alpha), 1.0 / alpha)  # clamped: no gradient
+    # -log alpha from whichever of alpha (small) and TV (alpha near 1) float32 holds to more digits
+    value = torch.where(alpha < 0.5, -alpha.log(), -torch.log1p(-tv.clamp(max=0.5)))
+    return value, tv_g.mul_(scale[:, None])
