@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_staged.config import load_config  # noqa: E402
 from dflash_staged.manifest import Manifest  # noqa: E402
+from dflash_staged.model.target.logits import log_probs  # noqa: E402
 from dflash_staged.store import ShardStore  # noqa: E402
 from dflash_staged.store.fp8 import dequantize, quantize  # noqa: E402
 
@@ -59,8 +60,8 @@ def main() -> int:
         y = dequantize(*quantize(x), torch.float32)
         rel += ((y - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)).double().sum(0)
         for s in range(0, x.shape[0], 256):
-            p = torch.log_softmax(norm(x[s : s + 256, -1]) @ W.t(), -1)
-            q = torch.log_softmax(norm(y[s : s + 256, -1]) @ W.t(), -1)
+            p = log_probs(norm(x[s : s + 256, -1]) @ W.t())
+            q = log_probs(norm(y[s : s + 256, -1]) @ W.t())
             tv += 0.5 * float((p.exp() - q.exp()).abs().sum())
             kl += float((p.exp() * (p - q)).sum())
             agree += float((p.argmax(-1) == q.argmax(-1)).sum())

@@ -2,7 +2,6 @@
 weights, the checkpoint's names, shapes and config.json, and the logit transform."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from dflash_staged.train.objective.head import head_rows, top_values
 from dflash_staged.train.objective.selector import alpha_at
 
 from helpers import make_drafter, packed_batch
+from refload import DFLASH2_REF, ZLAB_DFLASH2, zlab, zlab_lacks
 
 ANCHORS = torch.tensor([3, 10, 20, 30, 41, 50])
 V2 = dict(architecture="dflash2", conv_kernel_size=2, conv_group_size=8, selector_rank=16, selector_top_k=5)
@@ -257,22 +257,19 @@ def test_logit_transform_reaches_inference_and_training():
     assert float(m.draft_block(b["hidden"][:10], 3).abs().max()) <= 2.0
 
 
-REF2 = os.environ.get("DFLASH2_REFERENCE_MODEL_PY", "")
-
-
 @pytest.mark.skipif(
-    not REF2, reason="set DFLASH2_REFERENCE_MODEL_PY to z-lab/dflash's DFlash2 dflash/model.py"
+    not DFLASH2_REF, reason=f"set DFLASH2_REFERENCE_DIR to a checkout of {ZLAB_DFLASH2} (tests/refload.py)"
 )
 def test_reference_dflash2_loads_our_checkpoint_and_agrees(tmp_path):
-    """z-lab's DFlash2DraftModel loads the checkpoint with no missing or unexpected keys, and its block
-    states through our frozen head equal ours (nothing is downloaded: the file is given)."""
-    import importlib.util
-
+    """z-lab's DFlash2DraftModel (``dflash/model.py`` at the commit :data:`refload.ZLAB_DFLASH2`; its
+    main has no DFlash2) loads the checkpoint with no missing or unexpected keys, and its block states
+    through our frozen head equal ours (nothing is downloaded: the checkout is given)."""
     import torch.nn.functional as F
 
-    spec = importlib.util.spec_from_file_location("dflash2_reference_model", REF2)
-    ref_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ref_mod)
+    why = zlab_lacks(DFLASH2_REF, "dflash2")
+    if why:
+        pytest.skip(why)
+    ref_mod = zlab(DFLASH2_REF)
     ours = randomise(v2_like(make_drafter(block=8), block=8, is_causal=False)).eval()
     save_drafter(ours, tmp_path / "d")
     ref, info = ref_mod.DFlash2DraftModel.from_pretrained(

@@ -2,10 +2,11 @@
 
 A token costs ``K x H x itemsize`` bytes of tapped hidden states (``K x (H + 4)`` in FP8,
 ``[extract] store_dtype``) plus 5 bytes (int32 id + uint8 loss mask), and 6 bytes an entry of the
-target's top-k when stored. Every byte is written once by extract and read once by train, so the store must
-sustain ``2 x tok/s per worker x extract workers x bytes/token``, where a worker is one GPU, or
-with ``--tp N`` a group of N GPUs (extract GPUs / N workers, each with its group's rate). The disk
-a window needs is ``window shards x real tokens per job x bytes/token``.
+target's top-k when stored, with 4 bytes for its tail. Every byte is written once by extract and
+read once by train, so the store must sustain ``2 x tok/s per worker x extract workers x
+bytes/token``, where a worker is one GPU, or with ``--tp N`` a group of N GPUs (extract GPUs / N
+workers, each with its group's rate). The disk a window needs is ``window shards x real tokens per
+job x bytes/token``.
 """
 
 from __future__ import annotations
@@ -109,7 +110,10 @@ def disk_requirements(
     lines = [
         f"bytes per token: K={k} stored layers ({taps} tapped{' + the last' if last else ''}) x "
         + (f"(hidden {hidden} x 1 B FP8 + a 4 B scale)" if fp8 else f"hidden {hidden} x {itemsize} B")
-        + (f" + the target's top-{topk} ({topk} x 6 B: int32 id, fp16 log-probability)" if topk else "")
+        + (
+            f" + the target's top-{topk} ({topk} x 6 B: int32 id, fp16 log-probability; 4 B tail)"
+            * bool(topk)
+        )
         + f" + 5 B (id, loss mask) = {bpt:,} B",
         f"disk bandwidth: {tok_s_per_worker:,.0f} tok/s per extract worker (--target-tok-s, or what "
         f"--split auto measured) x {_workers(n_gpus, tp)}"
