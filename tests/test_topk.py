@@ -394,3 +394,29 @@ def test_the_topk_are_formed_with_the_runs_logit_transform_held_to_the_targets_c
     want_lp, want_ids = torch.log_softmax(5.0 * torch.tanh(logits / 5.0), -1).topk(8, -1)
     assert torch.equal(got_ids.long(), want_ids)
     torch.testing.assert_close(got_lp.double(), want_lp, atol=2e-2, rtol=2e-3)
+
+
+def test_extract_continues_an_older_store_without_the_tail(tmp_path, capsys):
+    """A store begun before the tail was kept is continued alike (its shards without the tail), with
+    one line; a new store keeps it."""
+    from dflash_staged.extract.worker import _keeps_tail
+    from dflash_staged.store import ShardStore, StoreMeta
+
+    assert _keeps_tail(tmp_path / "new") and not capsys.readouterr().err
+    old = StoreMeta("m", "t", [1], 8, "float32", topk=4, topk_temperature=1.0)
+    ShardStore.create_or_open(tmp_path / "old", old)
+    assert not _keeps_tail(tmp_path / "old")
+    assert "started without the top-k's tail" in capsys.readouterr().err
+    ShardStore.create_or_open(tmp_path / "old", old)  # reopened as written: no mismatch
+
+
+def test_the_transform_is_held_to_the_config_only_where_the_topk_are_stored():
+    import copy
+
+    from dflash_staged.model.target.taps import Target
+    from dflash_staged.model.target.tiny import build_tiny_model, tiny_config
+
+    conf = copy.deepcopy(tiny_config("qwen3"))
+    conf.final_logit_softcapping = 5.0
+    t = Target(build_tiny_model("qwen3", seed=0), [1, 3], "tiny", "cpu", conf, logit_transform=(1.0, 0.0))
+    assert t.logit_transform == (1.0, 5.0)  # no top-k: nothing stored depends on it

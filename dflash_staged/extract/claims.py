@@ -90,6 +90,8 @@ class Publisher:
         hidden_scale = None
         if self.store.meta.fp8:
             hidden, hidden_scale = quantize(hidden)
+        if topk is not None and not self.store.meta.topk_tail:  # a store begun before the tail was kept
+            topk = topk[:2]
         self.writer.submit(
             job.epoch,
             job.id,

@@ -66,6 +66,23 @@ from dflash_staged.store import ShardStore, StoreFullError, StoreMeta
 POLL_S = 0.2
 
 
+def _keeps_tail(store_root: Path) -> bool:
+    """Whether this run's shards carry the top-k's tail: yes, unless it continues a store written before
+    the tail was kept (its shards stay alike; the trainer says what that costs)."""
+    if not ShardStore.exists(store_root):
+        return True
+    meta = ShardStore.open(store_root).meta
+    if meta.topk and not meta.topk_tail:
+        print(
+            f"extract: store {store_root} was started without the top-k's tail (an older version): its "
+            "shards go on without it; extract into a new store to keep the tail exactly",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    return True
+
+
 def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardStore:
     """Create (atomically) or open the store for this manifest and target; record bytes per token."""
     meta = StoreMeta(
@@ -78,7 +95,7 @@ def open_store_for(m: Manifest, store_root: Path, target, cfg: Config) -> ShardS
         last_layer=target.last_layer,
         topk=target.topk,
         topk_temperature=target.topk_temperature,
-        topk_tail=bool(target.topk),
+        topk_tail=bool(target.topk) and _keeps_tail(store_root),
         store_dtype=cfg.extract.store_dtype,
     )
     store = ShardStore.create_or_open(store_root, meta)

@@ -60,10 +60,11 @@ class TopK(NamedTuple):
             return self
         tail = self.tail()
         dropped = torch.logsumexp(self.logp[:, k:].to(tail.dtype), -1)
-        return TopK(self.ids[:, :k], self.logp[:, :k], torch.logaddexp(tail, dropped))
+        return TopK(self.ids[:, :k], self.logp[:, :k], torch.logaddexp(tail, dropped).clamp_max(0.0))
 
     def tail(self) -> torch.Tensor:
-        """``log r [c]`` (float32, or float64 for a float64 top-k): stored, else :func:`legacy_logtail`."""
+        """``log r [c]``: stored (float32), else :func:`legacy_logtail` (float32, float64 for a float64
+        top-k)."""
         if self.logtail is not None:
             return self.logtail
         return legacy_logtail(self.logp).to(torch.promote_types(self.logp.dtype, torch.float32))
@@ -87,7 +88,7 @@ def topk_logp(logq: torch.Tensor, top: TopK) -> torch.Tensor:
     ids = top.ids.long()
     out = logq.detach().to(dt, copy=True).scatter_(1, ids, float("-inf"))
     logq_rest = torch.logsumexp(out, -1).clamp_min(torch.finfo(dt).min)  # (-inf only if q has no tail)
-    logtail = top.tail().to(dt)
+    logtail = top.tail().to(dt).clamp_max(0.0)  # (fp16 rounding must not put the tail above 1)
     shift = torch.where(torch.isneginf(logtail), logtail, logtail - logq_rest)  # no tail: -inf (not nan)
     out.add_(shift[:, None])
     lp = top.logp.to(dt)

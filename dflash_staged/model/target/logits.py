@@ -43,13 +43,21 @@ def transform_slope(raw: torch.Tensor, multiplier: float, softcap: float | None)
     return multiplier
 
 
+def log_normaliser(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logsumexp(x)`` over the last axis as two ``[..., 1]`` parts ``(m, l)``: ``m = max(x)`` and
+    ``l = log1p(sum of exp(x - m) but one maximum's)``, so that ``log p = (x - m) - l`` keeps a peaked
+    row's digits (``-1e-6`` with logits near 30, where one float32 ``logsumexp`` rounds to ``9.5e-7``).
+    One transient ``x``-sized tensor."""
+    m = x.amax(-1, keepdim=True)
+    e = (x - m).exp_().scatter_(-1, x.argmax(-1, keepdim=True), 0.0)
+    return m, torch.log1p(e.sum(-1, keepdim=True))
+
+
 def log_probs(x: torch.Tensor) -> torch.Tensor:
-    """``x - logsumexp(x)`` over the last axis, formed as ``s - log1p(sum of exp(s) but one maximum's)``
-    with ``s = x - max(x)``: a peaked row's top log-probability (``-1e-6`` with logits near 30) then keeps
-    its digits instead of float32's rounding of a logit near 30 (``9.5e-7``). See the module contract."""
-    s = x - x.amax(-1, keepdim=True)
-    e = s.exp().scatter_(-1, s.argmax(-1, keepdim=True), 0.0)
-    return s.sub_(torch.log1p(e.sum(-1, keepdim=True)))
+    """``x - logsumexp(x)`` over the last axis, formed as ``(x - m) - l`` (:func:`log_normaliser`; see
+    the module contract: not ``log_softmax``)."""
+    m, lz = log_normaliser(x)
+    return (x - m).sub_(lz)
 
 
 def target_logits(

@@ -134,8 +134,10 @@ class Target:
             [self.num_layers - 1] if topk and not last_layer else []
         )
         # the run's logit scaling ([drafter] output_multiplier, final_logit_softcapping), which the
-        # top-k are formed with as the trainer forms the drafter's logits; held to what config.json says
-        self.logit_transform = check_transform(declared_transform(text), logit_transform, target_id)
+        # top-k are formed with as the trainer forms the drafter's logits; held to what config.json
+        # says where the top-k are stored (else the config's own)
+        declared = declared_transform(text)
+        self.logit_transform = check_transform(declared, logit_transform if topk else None, target_id)
         self.target_id = target_id
         self.device = torch.device(device)
         self.dtype: torch.dtype = next(model.parameters()).dtype

@@ -17,10 +17,11 @@ training):
   against the data label; ``p_label``, the drafter's probability of the row's label (the target's
   argmax with ``target_label``, else the data's; detached: D-PACE weighs with it); with the target's
   rows, ``target_ids`` (its argmax), ``target_hits`` (the drafter's argmax is the target's) and
-  ``overlap`` (``sum min(p, q)`` at temperature 1: the row's acceptance rate under sampling); and,
-  when ``top_k > 0``, the top-k transformed logits, their ids and slopes (the DFlash2 selector's
-  candidates; :func:`top_values` makes the values differentiable in ``h`` again) and, with the
-  target, ``top_mass``: the target's probability on those candidates.
+  ``overlap`` (``sum min(p, q)`` at temperature 1: the row's acceptance rate under sampling; from a
+  top-k, the bound :func:`~dflash_staged.model.drafters.distill_head.acceptance` gives); and, when
+  ``top_k > 0``, the top-k transformed logits, their ids and slopes (the DFlash2 selector's candidates;
+  :func:`top_values` makes the values differentiable in ``h`` again) and, with the target,
+  ``top_mass``: the target's probability on those candidates (from a top-k, on those among its ids).
 * **Memory.** Each chunk's gradient of the loss to ``h`` is formed during the forward and kept
   (``[P, H]``); the backward scales those rows by the incoming per-row gradient, so any per-row
   weights (decay, D-PACE) may be chosen after the forward. A chunk holds about 3 fp32 ``[chunk, V]``
@@ -36,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from dflash_staged.model.drafters.distill_head import acceptance, candidate_mass
 from dflash_staged.model.drafters.target_dist import TopK
 from dflash_staged.model.target.logits import log_probs, target_logits, transform_logits, transform_slope
 from dflash_staged.train.objective.terms import Chunk, combine
@@ -110,18 +112,18 @@ class _ChunkedHead(torch.autograd.Function):
                 argmax = u.argmax(-1)
                 hits[s:e] = argmax == y
                 label = c.target_ids if with_t and target_label else y
-                p_label[s:e] = c.q1.gather(1, label[:, None])[:, 0]
+                p_label[s:e] = c.logq1_at(label).exp()
                 if with_t:  # (with the top-k at another temperature: the overlap at that temperature)
                     t_ids[s:e], t_hits[s:e] = c.target_ids, argmax == c.target_ids
                     at_t = temperature == 1.0 or t is None
                     p1 = c.p if at_t else log_probs(t).exp_()
-                    overlap[s:e] = c.overlap if at_t else torch.minimum(p1, c.q1).sum(-1)
+                    overlap[s:e] = acceptance(p1, c.q, top) if at_t else torch.minimum(p1, c.q1).sum(-1)
                 if top_k:
                     v, i = u.topk(top_k, dim=-1)
                     vals[s:e], ids[s:e] = v, i
                     slope[s:e] = transform_slope(raw.gather(1, i), multiplier, softcap)
-                    if with_t:
-                        mass[s:e] = p1.gather(1, i).sum(-1)
+                    if with_t:  # (from a top-k: only the stored ids' mass, as DSpine's candidates)
+                        mass[s:e] = candidate_mass(p1, i, top).sum(-1)
                 if need_grad:  # d loss / d u, then through the transform and the head
                     if softcap or multiplier != 1.0:
                         g.mul_(transform_slope(raw, multiplier, softcap))

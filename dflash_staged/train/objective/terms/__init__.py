@@ -33,7 +33,7 @@ import torch
 
 from dflash_staged.errors import DflashError
 from dflash_staged.model.drafters.target_dist import TopK, topk_logp
-from dflash_staged.model.target.logits import log_probs
+from dflash_staged.model.target.logits import log_normaliser, log_probs
 
 
 class Chunk:
@@ -60,12 +60,20 @@ class Chunk:
 
     # -- the drafter at temperature 1 (cross-entropy) -------------------------------------------------
     @cached_property
-    def logq1(self) -> torch.Tensor:
-        return log_probs(self.u)
+    def norm1(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's normaliser at temperature 1 as ``(m, l)`` ``[c, 1]`` each: ``log q1 = (u - m) - l``
+        (:func:`~dflash_staged.model.target.logits.log_normaliser`; nothing vocabulary-sized kept)."""
+        return log_normaliser(self.u)
+
+    def logq1_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """``log q1`` of token ``ids [c]`` per row (exact digits near 0: a confident row's small CE)."""
+        m, lz = self.norm1
+        return (self.u.gather(1, ids[:, None]) - m).sub_(lz)[:, 0]
 
     @cached_property
     def q1(self) -> torch.Tensor:
-        return self.logq1.exp()
+        m, lz = self.norm1
+        return (self.u - m).sub_(lz).exp_()
 
     @cached_property
     def target_ids(self) -> torch.Tensor:
@@ -75,7 +83,10 @@ class Chunk:
     # -- both distributions at the distillation temperature -------------------------------------------
     @cached_property
     def logq(self) -> torch.Tensor:
-        return self.logq1 if self.T == 1.0 else log_probs(self.u / self.T)
+        if self.T == 1.0:
+            m, lz = self.norm1
+            return (self.u - m).sub_(lz)
+        return log_probs(self.u / self.T)
 
     @cached_property
     def q(self) -> torch.Tensor:

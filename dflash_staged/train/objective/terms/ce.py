@@ -1,8 +1,8 @@
 """Cross-entropy terms: on the data's next token (``ce``, DFlash's objective) and on the target's own
 argmax (``ce_target``: vLLM speculators' DFlash default, "CE on the verifier's argmax"). Both at
 temperature 1; the gradient of ``lse(u) - u[y]`` is ``softmax(u) - onehot(y)``. The value is read
-off the drafter's log-probabilities (:func:`~dflash_staged.model.target.logits.log_probs`), which keep
-a confident row's small CE to its own digits."""
+off the drafter's normaliser in two parts (:func:`~dflash_staged.model.target.logits.log_normaliser`),
+which keeps a confident row's small CE to its own digits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dflash_staged.train.objective.terms import Chunk, term
 
 
 def _ce(c: Chunk, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    value = -c.logq1.gather(1, y[:, None])[:, 0]
+    value = -c.logq1_at(y)
     grad = c.q1.clone()
     grad.scatter_add_(1, y[:, None], -torch.ones_like(value)[:, None])
     return value, grad
