@@ -6,10 +6,11 @@ trained DSpark drafter and a store with the target's last layer, recomputes the 
 the top-k from it as extract does (``Target.topk_of``'s arithmetic) and compares, over the same rows and
 with the same position weights, the true label with what each rule gives:
 
-* ``bound``: ``sum_top min(p, q) + min(r, sum_tail min(q_i, p_k))`` (the trainer's rule: the tightest
-  upper bound the store gives),
+* ``bound``: ``sum_top min(p, q) + min(r, sum_tail min(q_i, p_k))`` (the tightest upper bound the
+  store gives),
 * ``bucketed``: ``sum_top min(p, q) + min(r, q_rest)`` (the tail as one outcome),
-* ``ids_only``: ``sum_top min(p, q)`` (a lower bound).
+* ``ids_only``: ``sum_top min(p, q)`` (a lower bound),
+* ``midpoint``: halfway between ``ids_only`` and ``bound`` (the trainer's rule).
 
 It reports each rule's mean signed error and mean absolute error per k, and the L1 term's bucketed value
 against the full one. ``.venv/bin/python bench/topk_acceptance.py --manifest M --store S --drafter RUN``
@@ -29,21 +30,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def rules(p_full: torch.Tensor, q: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Each rule's label per row, the true one, and the L1 (full and bucketed)."""
-    from dflash_staged.model.drafters.distill_head import acceptance
+    from dflash_staged.model.drafters.distill_head import acceptance, overlap_parts
     from dflash_staged.model.drafters.target_dist import TopK, topk_logp
 
     lp = p_full.log()
     v, ids = lp.topk(k, -1)
     top = TopK(ids, v.half(), torch.logsumexp(lp.scatter(1, ids, float("-inf")), -1))
     pt = topk_logp(q.log(), top).exp()
-    on_ids = torch.minimum(p_full.gather(1, ids), q.gather(1, ids)).sum(-1)
+    on_ids, bound = overlap_parts(pt, q, top)
     q_rest = q.sum(-1) - q.gather(1, ids).sum(-1)
     r = top.logtail.exp()
     return {
         "true": torch.minimum(p_full, q).sum(-1),
-        "bound": acceptance(pt, q, top),
+        "bound": on_ids + bound,
         "bucketed": on_ids + torch.minimum(r, q_rest),
         "ids_only": on_ids,
+        "midpoint": acceptance(pt, q, top),  # the trainer's rule
         "l1_full": (p_full - q).abs().sum(-1),
         "l1_bucketed": (pt - q).abs().sum(-1),
     }
@@ -68,7 +70,7 @@ def main() -> int:
     from dflash_staged.train.objective.loss import split_hidden
 
     with Manifest.open(a.manifest, readonly=True) as m:
-        cfg, jobs = m.config, [j for j in m.jobs() if j.state in ("written", "consumed", "released")]
+        cfg, jobs = m.config, [j for j in m.jobs() if j.state in ("written", "kept")]
     store = ShardStore.open(a.store)
     if store.meta.last_layer is None:
         raise SystemExit(f"{a.store}: needs a store with the target's last layer")
@@ -113,7 +115,7 @@ def main() -> int:
         cat = {n: torch.cat(v) for n, v in sums[k].items()}
         true = cat["true"]
         rep = {"rows": int(true.numel()), "true_mean": round(float(true.mean()), 4)}
-        for name in ("bound", "bucketed", "ids_only"):
+        for name in ("bound", "bucketed", "ids_only", "midpoint"):
             err = cat[name] - true
             rep[name] = {
                 "mean_error": round(float(err.mean()), 4),

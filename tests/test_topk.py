@@ -261,16 +261,15 @@ def test_a_target_loss_over_a_store_with_neither_slice_is_refused_naming_both(tm
         target_norm_for(cfg, hot, torch.device("cpu"))
 
 
-def test_the_acceptance_from_a_topk_is_exact_on_the_ids_and_a_tight_bound_on_the_tail():
-    """DSpark's acceptance target: k = V gives sum min(p, q); with a tail, the ids' part plus
-    min(r, sum_tail min(q, p_k)), which lies between the true overlap and the bucketed one."""
-    from dflash_staged.model.drafters.distill_head import acceptance
+def test_the_acceptance_from_a_topk_is_exact_on_the_ids_and_half_the_tails_bound():
+    """DSpark's acceptance target: k = V gives sum min(p, q); with a tail, the ids' part plus half of
+    b = min(r, sum_tail min(q, p_k)), which bounds the tail's true part (tighter than the bucketed
+    min(r, q_rest) where the drafter is sure of a token outside the top-k)."""
+    from dflash_staged.model.drafters.distill_head import acceptance, overlap_parts
 
     g = torch.Generator().manual_seed(7)
-    u, t = (
-        torch.randn(6, V, generator=g, dtype=torch.float64) * 2,
-        torch.randn(6, V, generator=g, dtype=torch.float64) * 2,
-    )
+    u = torch.randn(6, V, generator=g, dtype=torch.float64) * 2
+    t = torch.randn(6, V, generator=g, dtype=torch.float64) * 2
     q, p = torch.softmax(u, -1), torch.softmax(t, -1)
     true = torch.minimum(p, q).sum(-1)
     full = topk_of(t, V)
@@ -278,26 +277,22 @@ def test_the_acceptance_from_a_topk_is_exact_on_the_ids_and_a_tight_bound_on_the
     for k in (3, 12):
         top = topk_of(t, k)
         pt = topk_logp(q.log(), top).exp()
-        got = acceptance(pt, q, top)
         ids = top.ids
-        floor = p.gather(1, ids[:, -1:])
-        tail = torch.minimum(q, floor).scatter(1, ids, 0.0).sum(-1)
-        want = torch.minimum(p.gather(1, ids), q.gather(1, ids)).sum(-1) + torch.minimum(
-            tail, top.logtail.exp()
+        on_ids = torch.minimum(p.gather(1, ids), q.gather(1, ids)).sum(-1)
+        b = torch.minimum(
+            torch.minimum(q, p.gather(1, ids[:, -1:])).scatter(1, ids, 0.0).sum(-1), top.logtail.exp()
         )
-        torch.testing.assert_close(got, want)
-        bucketed_overlap = torch.minimum(pt, q).sum(-1)
-        assert bool((true <= got + 1e-12).all()) and bool((got <= bucketed_overlap + 1e-12).all())
-    # a drafter sure of a token the target ranks outside its top-3: tighter than the bucketed overlap
+        torch.testing.assert_close(acceptance(pt, q, top), on_ids + b / 2)
+        assert bool((on_ids <= true + 1e-12).all()) and bool((true <= on_ids + b + 1e-12).all())
     top = topk_of(t, 3)
     j = next(i for i in range(V) if not bool((top.ids == i).any()))
     u2 = u.clone()
     u2[:, j] = 8.0
     q2 = torch.softmax(u2, -1)
     pt = topk_logp(q2.log(), top).exp()
-    got = acceptance(pt, q2, top)
-    assert bool((got < torch.minimum(pt, q2).sum(-1) - 1e-3).all())
-    assert bool((torch.minimum(p, q2).sum(-1) <= got + 1e-12).all())
+    on_ids, b = overlap_parts(pt, q2, top)
+    assert bool((on_ids + b < torch.minimum(pt, q2).sum(-1) - 1e-3).all())  # tighter than bucketed
+    assert bool((torch.minimum(p, q2).sum(-1) <= on_ids + b + 1e-12).all())
 
 
 def test_a_candidate_outside_the_stored_topk_gets_no_target_mass():

@@ -16,12 +16,15 @@ Contract (the families' objectives weigh nothing after it: the rows' weights com
 * **With the last layer** every value is the reference's: the acceptance is ``sum min(p, q)`` (``1 -
   TV``, formed from the minima, not as ``1 - L1 / 2``), a candidate's probability the target's own.
 * **With the top-k** the L1 is the bucketed one (a lower bound of the full L1; see ``target_dist``).
-  The acceptance is ``sum_top min(p, q) + min(r, sum_tail min(q_i, p_k))``: exact on the ids, and on
-  the tail the tightest upper bound the store gives (no tail token's probability exceeds the k-th
-  stored one, ``p_k``, and they hold ``r`` together), where the bucketed ``min(r, q_rest)`` overstates
-  it more. A candidate outside the stored ids gets probability 0 (unknown; at most ``p_k``), so
-  DSpine's candidate mass, and its threshold test, count only the known mass (a lower bound), never
-  the drafter's own belief.
+  The acceptance is exact on the ids; the tail's part ``sum_tail min(p_i, q_i)`` is known only to lie
+  between 0 and ``b = min(r, sum_tail min(q_i, p_k))`` (no tail token's probability exceeds the k-th
+  stored one, ``p_k``, and they hold ``r`` together), and is taken as ``b / 2``: its error is at most
+  ``b / 2`` whatever the drafter (0 where the drafter's tail misses the target's, ``b`` where it matches
+  it). On the demo (a DSpark drafter, 1,918 rows, ``bench/topk_acceptance.py``) its mean absolute
+  error is 0.0034 at k = 64 and 0.012 at k = 16, against 0.011 and 0.036 for the bound ``b`` (the
+  bucketed ``min(r, q_rest)``: 0.012 and 0.037) and 0.007 and 0.014 for the ids alone. A candidate
+  outside the stored ids gets probability 0 (unknown; at most ``p_k``), so DSpine's candidate mass,
+  and its threshold test, count only the known mass (a lower bound), never the drafter's own belief.
 * The gradients are formed in the forward, per chunk (``d CE / du = q - onehot``,
   ``d L1 / du = q (s - <s, q>)`` with ``s = sign(q - p)``, ``p`` held constant), and kept: the backward
   only scales them. No ``[rows, V]`` tensor outlives its chunk and nothing is recomputed, so a row
@@ -55,16 +58,23 @@ class HeadInputs(NamedTuple):
     cand_k: int = 0  # also return each row's top cand_k candidates and the target's mass on them
 
 
-def acceptance(p: torch.Tensor, q: torch.Tensor, top: TopK | None) -> torch.Tensor:
-    """Each row's acceptance rate ``sum min(p, q)``; from a top-k, the tightest upper bound the stored
-    values give (see the module contract)."""
-    if top is None:
-        return torch.minimum(p, q).sum(-1).clamp_(0.0, 1.0)
+def overlap_parts(p: torch.Tensor, q: torch.Tensor, top: TopK) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a top-k: ``sum_top min(p, q)`` (exact) and the tightest bound the store gives on the tail's
+    part, ``min(r, sum_tail min(q_i, p_k))`` (no tail token is likelier than the k-th stored one)."""
     ids = top.ids.long()
     on_ids = torch.minimum(p.gather(1, ids), q.gather(1, ids)).sum(-1)
-    floor = p.gather(1, ids[:, -1:])  # the k-th stored probability: no tail token's is larger
+    floor = p.gather(1, ids[:, -1:])
     tail = torch.minimum(q, floor).scatter_(1, ids, 0.0).sum(-1)
-    return (on_ids + torch.minimum(tail, top.tail().to(tail.dtype).exp())).clamp_(0.0, 1.0)
+    return on_ids, torch.minimum(tail, top.tail().to(tail.dtype).exp())
+
+
+def acceptance(p: torch.Tensor, q: torch.Tensor, top: TopK | None) -> torch.Tensor:
+    """Each row's acceptance rate ``sum min(p, q)``; from a top-k, the ids' part plus half the tail's
+    bound (see the module contract)."""
+    if top is None:
+        return torch.minimum(p, q).sum(-1).clamp_(0.0, 1.0)
+    on_ids, tail = overlap_parts(p, q, top)
+    return (on_ids + 0.5 * tail).clamp_(0.0, 1.0)
 
 
 def candidate_mass(p: torch.Tensor, cand: torch.Tensor, top: TopK | None) -> torch.Tensor:

@@ -15,7 +15,8 @@ DeepSpec's: ``loss_mask`` on the anchor and on the next token):
 * **Terms**, each a weighted sum over the rows: ``ce_weight`` x CE of ``u_k`` on the label,
   ``l1_weight`` x ``sum |softmax(u_k) - p_k|`` (twice the total variation), and ``confidence_weight``
   x the confidence head's BCE against the acceptance ``sum min(p, q) = 1 - TV`` (detached; from a
-  top-k, the tightest upper bound the store gives: :mod:`dflash_staged.model.drafters.distill_head`).
+  top-k, exact on the ids and half the store's bound on the tail:
+  :mod:`dflash_staged.model.drafters.distill_head`).
   DeepSpec divides each by the same weight sum; the trainer divides the step's sum by its total weight, the
   same thing. The confidence head's gradient reaches the backbone and the Markov embedding, as in
   the reference.
