@@ -232,7 +232,7 @@ def _patch_target_taps(mod) -> None:
 def _patch_target(mod) -> None:
     fake = CFG["fake_target"]
 
-    def load_target(cfg, device="cpu", *, layer_ids=None, num_draft_layers=1, tp=1):
+    def load_target(cfg, device="cpu", *, layer_ids=None, num_draft_layers=1, tp=1, logit_transform=None):
         return FakeTarget(
             layer_ids or [1],
             int(fake.get("hidden", 8)),
