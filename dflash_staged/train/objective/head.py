@@ -18,7 +18,7 @@ training):
   argmax with ``target_label``, else the data's; detached: D-PACE weighs with it); with the target's
   rows, ``target_ids`` (its argmax), ``target_hits`` (the drafter's argmax is the target's) and
   ``overlap`` (``sum min(p, q)`` at temperature 1: the row's acceptance rate under sampling; from a
-  top-k, the bound :func:`~dflash_staged.model.drafters.distill_head.acceptance` gives); and, when
+  top-k, the estimate :func:`~dflash_staged.model.drafters.distill_head.acceptance` gives); and, when
   ``top_k > 0``, the top-k transformed logits, their ids and slopes (the DFlash2 selector's candidates;
   :func:`top_values` makes the values differentiable in ``h`` again) and, with the target,
   ``top_mass``: the target's probability on those candidates (from a top-k, on those among its ids).
