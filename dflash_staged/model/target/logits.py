@@ -48,8 +48,8 @@ def log_normaliser(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``l = log1p(sum of exp(x - m) but one maximum's)``, so that ``log p = (x - m) - l`` keeps a peaked
     row's digits (``-1e-6`` with logits near 30, where one float32 ``logsumexp`` rounds to ``9.5e-7``).
     One transient ``x``-sized tensor."""
-    m = x.amax(-1, keepdim=True)
-    e = (x - m).exp_().scatter_(-1, x.argmax(-1, keepdim=True), 0.0)
+    m, top = x.max(-1, keepdim=True)  # one pass for the maximum and where it is
+    e = (x - m).exp_().scatter_(-1, top, 0.0)
     return m, torch.log1p(e.sum(-1, keepdim=True))
 
 
