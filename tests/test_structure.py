@@ -107,7 +107,7 @@ def test_stages_import_downward():
         ["fsutil", "dtypes", "config", "chat"],
         ["manifest", "store", "model"],
         ["plan", "extract", "train", "regenerate"],
-        ["evaluate"],
+        ["evaluate", "serve"],
         ["launch"],
         ["cli", "__main__"],
     ]

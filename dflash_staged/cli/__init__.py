@@ -1,10 +1,10 @@
-"""The ``dflash`` command line: plan, data show, status, extract, train, eval, regenerate, plot,
+"""The ``dflash`` command line: plan, data show, status, extract, train, eval, serve, regenerate, plot,
 memory, and the launchers pipeline (one host) and node (one GPU node).
 
 Each command is a thin wrapper; the work lives in the module named after it. The commands are grouped by
 stage: :mod:`~dflash_staged.cli.data` (plan, data show, status), :mod:`~dflash_staged.cli.stages`
 (extract, train, regenerate; train's torchrun relaunch in :mod:`~dflash_staged.cli.torchrun`),
-:mod:`~dflash_staged.cli.results` (eval, plot),
+:mod:`~dflash_staged.cli.results` (eval, plot), :mod:`~dflash_staged.cli.serve` (serve build, export, eval),
 :mod:`~dflash_staged.cli.memory` (memory) and :mod:`dflash_staged.launch.commands` (pipeline, node);
 :mod:`~dflash_staged.cli.options` holds what they share (``--manifest`` help, ``--set`` and JSON values).
 User errors (:class:`dflash_staged.errors.DflashError`) print one clean line and exit 1.
@@ -18,6 +18,7 @@ from dflash_staged.cli.data import data_group, plan_cmd, status_cmd
 from dflash_staged.cli.memory import memory_cmd
 from dflash_staged.cli.options import MANIFEST_HELP, parse_json_object, parse_sets
 from dflash_staged.cli.results import eval_cmd, plot_cmd
+from dflash_staged.cli.serve import serve_group
 from dflash_staged.cli.stages import extract, regenerate, train
 from dflash_staged.cli.torchrun import TORCHRUN_PID, die_with_torchrun, without_option
 from dflash_staged.launch.commands import node, pipeline
@@ -47,6 +48,7 @@ for _command in (
     train,
     regenerate,
     eval_cmd,
+    serve_group,
     plot_cmd,
     memory_cmd,
     pipeline,

@@ -211,6 +211,8 @@ def _decode_all(
             "new_tokens": len(out.tokens),
             "tau": round(sum(out.accepted) / max(1, len(out.accepted)), 4),
             "spec_s": round(dt, 3),
+            "accepted": list(out.accepted),
+            "tokens": list(out.tokens),
         }
         if baseline:
             t = time.perf_counter()

@@ -22,6 +22,7 @@ import torch
 from dflash_staged.config import Config, TrainConfig
 from dflash_staged.errors import DflashError
 from dflash_staged.model.drafters.backbone import DFlashDrafter
+from dflash_staged.model.drafters.engines import check_servable
 from dflash_staged.model.drafters.flex import resolve_attention
 from dflash_staged.model.drafters.weights import write_drafter_files
 from dflash_staged.model.target.weights import load_final_norm
@@ -61,6 +62,7 @@ class DrafterModel:
         """``hidden_dtype``: the store's logical dtype, which FP8 states (``fp8``: the store holds them)
         are dequantized into on the device (:meth:`loss`)."""
         self.drafter, self.t, self.device, self.target_norm = drafter, t, device, target_norm
+        self.serving = check_servable(drafter.dcfg)  # refuses what every engine mis-serves; else warnings
         self.hidden_dtype = hidden_dtype
         # the target's distribution: from its last layer (target_norm), else from the store's top-k
         self.store_topk = 0 if target_norm is not None else int(store_topk)
@@ -171,8 +173,12 @@ class DrafterModel:
             )
 
     def write_drafter(self, d) -> None:
-        """The servable reference-format drafter (config.json + model.safetensors) into directory ``d``."""
+        """The servable reference-format drafter (config.json + model.safetensors) into directory ``d``; the
+        first one a run writes also prints what serving engines would refuse or mis-serve in it."""
         write_drafter_files(self.drafter, d)
+        for line in self.serving:
+            print(f"train: serving: {line}", file=sys.stderr, flush=True)
+        self.serving = []
 
 
 def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> torch.nn.Module | None:

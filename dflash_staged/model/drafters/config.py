@@ -18,9 +18,11 @@ DFlash2: ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``sele
 ``dflash_config``, z-lab's released ``Qwen3.8-27B-DFlash2`` layout); ``options`` holds the settings of a
 family beyond DFlash2 (``[drafter.options]``), checked by the family. ``output_multiplier``,
 ``final_logit_softcapping`` and ``input_embedding_scale`` (the block's input embeddings are multiplied
-by it) go there too, for either architecture, when they are set. :meth:`DraftModelConfig.from_dict`
-reads ours and the released drafters' files, and these fields as the reference does: from
-``dflash_config``, else from the top level; a negative softcap is refused.
+by it) go there too, for either architecture, when they are set; a DFlash or DFlash2
+``output_multiplier`` also as a top-level ``logit_scale``, where vLLM reads it (not DSpark's:
+:mod:`dflash_staged.model.drafters.engines`). :meth:`DraftModelConfig.from_dict` reads ours and the
+released drafters' files, and these fields as the reference does: from ``dflash_config``, else from the
+top level; a negative softcap is refused.
 """
 
 from __future__ import annotations
@@ -224,6 +226,8 @@ class DraftModelConfig:
             dflash["input_embedding_scale"] = self.input_embedding_scale
         if self.is_causal is not None:
             d["is_causal"] = self.is_causal
+        if self.output_multiplier != 1.0 and fam.name in ("dflash", "dflash2"):
+            d["logit_scale"] = self.output_multiplier  # what vLLM's DFlash multiplies its logits by
         d.update(
             {
                 "architectures": [fam.architecture],

@@ -1,0 +1,233 @@
+"""A real ``llama-server`` on loopback, started and stopped by this process, and its HTTP API.
+
+Contract:
+
+* **Start.** :class:`LlamaServer` (a context manager) takes a free loopback port, starts the
+  server in a session of its own with ``LLAMA_TRACE=1`` (one log line per verify step:
+  ``accepted a/n draft tokens``) and the death signal of this process (Linux ``PR_SET_PDEATHSIG``),
+  and returns once ``GET /health`` answers 200. A server that exits before it is ready, or that is not
+  ready within ``ready_timeout_s``, raises one line quoting its log's last line; a port taken between
+  the probe and the bind is retried on another port.
+* **Stop.** On every exit path of the ``with`` block (an error, Ctrl-C, a normal end) the server's
+  process group gets SIGTERM, then SIGKILL after 5 s; if this process is killed, the kernel sends the
+  server SIGKILL. Its log (``log``) is kept.
+* **Speculative decoding** with a DFlash-family drafter: ``--spec-type draft-dflash`` (DFlash and
+  DFlash2) or ``draft-dspark``, ``--spec-draft-n-max n`` (llama.cpp clamps it to the block: ``B - 1``
+  for DFlash, ``B`` for DSpark's anchor-first block), ``--spec-draft-p-min 0`` (every draft is verified,
+  as ``dflash eval`` does) and the same threads for the drafter as for the target. ``kv_type`` sets
+  both models' KV cache type and ``flash_attn`` their attention kernel (llama.cpp's defaults: f16 and
+  ``auto``, which on a CPU is its flash-attention kernel; that kernel is less precise than plain
+  attention even with an f32 cache: a drafter's logits move by about 1e-3 of their scale). ``f32`` and
+  ``off`` make an f32 model compute in f32 end to end, which an exact comparison with ``dflash eval``
+  needs. A target that cannot remove rejected positions (``restore checkpoint`` in the log) re-verifies
+  them; those lines are not steps.
+* :meth:`LlamaServer.complete` posts token ids to ``/completion`` (no prompt cache, so each prompt
+  starts cold) and returns the response with ``steps``: the accepted drafts of each verify step,
+  read from the log lines the request produced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dflash_staged.errors import DflashError
+from dflash_staged.procs import die_with_parent
+
+ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens\s*$", re.M)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_us() -> None:  # between fork and exec
+    os.setsid()
+    die_with_parent(signal.SIGKILL)
+
+
+class LlamaServer:
+    def __init__(
+        self,
+        bin_dir: Path,
+        model: Path,
+        log: Path,
+        draft: Path | None = None,
+        spec_type: str | None = None,
+        n_max: int | None = None,
+        threads: int | None = None,
+        ctx_size: int = 4096,
+        kv_type: str | None = None,
+        flash_attn: str | None = None,
+        ready_timeout_s: float = 300.0,
+        extra: tuple[str, ...] = (),
+    ):
+        self.bin_dir, self.model, self.log, self.draft = Path(bin_dir), Path(model), Path(log), draft
+        self.spec_type, self.n_max, self.threads, self.ctx_size = spec_type, n_max, threads, ctx_size
+        self.ready_timeout_s, self.extra, self.kv_type = ready_timeout_s, extra, kv_type
+        self.flash_attn = flash_attn
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    def command(self, port: int) -> list[str]:
+        cmd = [str(self.bin_dir / "llama-server"), "-m", str(self.model), "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), "-c", str(self.ctx_size), "-np", "1", "--no-webui"]
+        if self.threads:
+            cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
+        if self.kv_type:
+            cmd += ["-ctk", self.kv_type, "-ctv", self.kv_type]
+        if self.flash_attn:
+            cmd += ["-fa", self.flash_attn]
+        if self.draft is not None:
+            cmd += ["-md", str(self.draft), "--spec-type", self.spec_type or "draft-dflash"]
+            cmd += ["--spec-draft-p-min", "0", "--spec-draft-n-min", "0"]
+            if self.n_max is not None:
+                cmd += ["--spec-draft-n-max", str(self.n_max)]
+            if self.threads:
+                cmd += ["-td", str(self.threads), "-tbd", str(self.threads)]
+            if self.kv_type:
+                cmd += ["-ctkd", self.kv_type, "-ctvd", self.kv_type]
+        return cmd + list(self.extra)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _log_tail(self) -> str:
+        try:
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "no log"
+        return lines[-1] if lines else "no output"
+
+    def _start_once(self) -> bool:
+        """True when ready; False when the port was taken (try another); raises otherwise."""
+        self.port = free_port()
+        env = {**os.environ, "LLAMA_TRACE": "1"}
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(self.bin_dir), env.get("LD_LIBRARY_PATH")])
+        )
+        with open(self.log, "ab") as out:
+            out.write(f"$ {' '.join(self.command(self.port))}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                self.command(self.port),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_us,
+            )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self._log_tail()
+                if "bind" in tail.lower() or "address already in use" in tail.lower():
+                    return False
+                raise DflashError(
+                    f"llama-server exited (code {self.proc.returncode}) before it was ready: {tail} "
+                    f"(full log: {self.log})"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise DflashError(
+            f"llama-server was not ready within {self.ready_timeout_s:.0f} s: {self._log_tail()} "
+            f"(full log: {self.log})"
+        )
+
+    def __enter__(self) -> LlamaServer:
+        if not (self.bin_dir / "llama-server").is_file():
+            raise DflashError(f"{self.bin_dir}/llama-server does not exist; run `dflash serve build` first")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            for _ in range(3):
+                if self._start_once():
+                    return self
+                self.stop()
+            raise DflashError(f"llama-server could not bind a loopback port three times (log: {self.log})")
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                return
+            try:
+                p.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def post(self, path: str, body: dict, timeout: float = 3600.0) -> dict:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300]
+            raise DflashError(
+                f"llama-server answered {e.code} to {path}: {detail} (log: {self.log})"
+            ) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            alive = self.proc is not None and self.proc.poll() is None
+            raise DflashError(
+                f"llama-server {'did not answer' if alive else 'died'} on {path} ({e}); {self._log_tail()} "
+                f"(log: {self.log})"
+            ) from None
+
+    def complete(
+        self,
+        ids: list[int],
+        n_predict: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+    ) -> dict:
+        """One prompt (token ids); the response plus ``steps`` (see the module docstring)."""
+        start = self.log.stat().st_size
+        body = {
+            "prompt": list(ids),
+            "n_predict": n_predict,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "min_p": 0.0,
+            "seed": seed,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+        }
+        r = self.post("/completion", body)
+        with open(self.log, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        r["steps"] = [[int(a), int(n)] for a, n in ACCEPTED.findall(text)]
+        return r

@@ -1,0 +1,87 @@
+"""A tiny Qwen3 target and fitted drafters on disk, for the tests that serve them in a real llama-server.
+
+* :func:`save_served_target`: the planted tiny target (``tests/planted.py``: ``tiny:qwen3`` with its
+  logits sharpened) saved as an ordinary Hugging Face directory, with a SentencePiece ``tokenizer.model``
+  trained here on the tiny corpus (ids 0..3 = pad, bos, eos, unk; the rest of the 2,048 rows unused).
+  llama.cpp's converter reads a Qwen3 target's vocabulary from ``tokenizer.model`` when there is one;
+  the tiny byte-level BPE tokenizer's pre-tokenizer is one it does not know. The prompts are token ids,
+  so the tokenizer's pieces matter only to the converter; eos (2) ends a generation on both sides.
+* :func:`fitted_checkpoint`: a drafter of a family, started from the target's top layers and trained
+  (the project's own objective, ``fit_to_target``) on the target's greedy continuations of the prompts,
+  saved with ``save_drafter`` in float32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dflash_staged.config import TargetConfig, load_config
+from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+from dflash_staged.model.drafters.weights import save_drafter
+from dflash_staged.model.target import load_target
+from dflash_staged.model.target.tiny import MASK, VOCAB, _corpus
+
+from planted import fit_to_target, planted_target
+
+LAYERS = [1, 3]
+BLOCKS = {"dflash": 8, "dflash2": 8, "dspark": 7}
+
+
+def save_served_target(dir: Path) -> Path:
+    import sentencepiece as spm
+
+    target = planted_target(LAYERS)
+    target.model.save_pretrained(dir)
+    cfg = json.loads((dir / "config.json").read_text())
+    assert cfg["vocab_size"] == VOCAB
+    corpus = dir / "corpus.txt"
+    corpus.write_text("\n".join(_corpus()))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(dir / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        pad_id=0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=3,
+        minloglevel=2,
+    )
+    corpus.unlink()
+    (dir / "tokenizer.vocab").unlink(missing_ok=True)
+    return dir
+
+
+def served_target(dir: Path):
+    """Our side's view of the saved target (the same weights llama.cpp converts)."""
+    return load_target(TargetConfig(model=str(dir)), "cpu", layer_ids=LAYERS)
+
+
+def prompts(n: int, length: int = 12, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 400, (length,), generator=g) for _ in range(n)]
+
+
+def fitted_checkpoint(out: Path, family: str, target, target_dir: Path, ps, new_tokens: int) -> Path:
+    from dflash_staged.model.drafters.init import init_from_target
+    from dflash_staged.model.target.weights import load_embed_and_head
+
+    cfg = load_config("configs/tiny.toml")
+    cfg.drafter.dtype, cfg.drafter.architecture = "float32", family
+    cfg.drafter.block_size, cfg.drafter.intermediate_size = BLOCKS[family], 256
+    fit = {}
+    if family == "dflash2":
+        cfg.drafter.conv_group_size, cfg.drafter.selector_rank, cfg.drafter.selector_top_k = 16, 16, 8
+    if family == "dspark":
+        cfg.drafter.options = {"markov_rank": 16, "markov_head_type": "vanilla", "confidence_head": False}
+        fit = {"options": {"ce_weight": 1.0, "l1_weight": 0.0}}
+    tcfg = TargetConfig(model=str(target_dir))
+    embed, head = load_embed_and_head(tcfg)
+    torch.manual_seed(0)
+    d = DFlashDrafter(DraftModelConfig.from_config(cfg, 128, VOCAB, 6, LAYERS, MASK), embed, head)
+    init_from_target(d, tcfg)
+    fit_to_target(d, target, ps, new_tokens, steps=100, lr=5e-3 if family == "dspark" else 3e-3, **fit)
+    return save_drafter(d, out)
