@@ -114,10 +114,14 @@ def _prompt_result(resp: dict, max_new_tokens: int) -> dict:
 
 
 def _decode_all(server: LlamaServer, prompts, max_new_tokens, temperature, seed, label, quiet) -> list[dict]:
-    out = []
+    out, before = [], [0, 0.0]
     for i, (line, ids) in enumerate(prompts):
         resp = server.complete(ids, max_new_tokens, temperature=temperature, seed=seed + line)
         rec = {"line": line, "prompt_tokens": len(ids), **_prompt_result(resp, max_new_tokens)}
+        if "drafts_total" in resp:
+            now = resp["drafts_total"]
+            rec.update(draft_calls=now[0] - before[0], draft_ms=round(now[1] - before[1], 3))
+            before = now
         out.append(rec)
         _say(
             f"{label}: prompt {i + 1}/{len(prompts)} (line {line}): {rec['new_tokens']} tokens, "
@@ -141,6 +145,14 @@ def _summary(recs: list[dict], base: list[dict] | None, greedy: bool) -> dict:
         "steps": len(steps),
         "speculative": _rate(recs),
     }
+    calls, ms = sum(r.get("draft_calls", 0) for r in recs), sum(r["decode_ms"] for r in recs)
+    if calls and steps:  # where a step's time goes: the drafter (llama.cpp's own timer), and the rest
+        draft_ms = sum(r["draft_ms"] for r in recs)
+        run["step_ms"] = {
+            "total": round(ms / len(steps), 3),
+            "drafter": round(draft_ms / calls, 3),
+            "verify_and_rest": round((ms - draft_ms) / len(steps), 3),
+        }
     if base is not None:
         run["baseline"] = _rate(base)
         run["speedup"] = round(

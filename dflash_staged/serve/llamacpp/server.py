@@ -3,8 +3,8 @@
 Contract:
 
 * **Start.** :class:`LlamaServer` (a context manager) takes a free loopback port, starts the
-  server in a session of its own with ``LLAMA_TRACE=1`` (one log line per verify step:
-  ``accepted a/n draft tokens``) and the death signal of this process (Linux ``PR_SET_PDEATHSIG``),
+  server in a session of its own with ``LLAMA_TRACE=1`` and log verbosity 4 (one log line per verify
+  step: ``accepted a/n draft tokens``; the speculative statistics after each request) and the death signal of this process (Linux ``PR_SET_PDEATHSIG``),
   and returns once ``GET /health`` answers 200. A server that exits before it is ready, or that is not
   ready within ``ready_timeout_s``, raises one line quoting its log's last line; a port taken between
   the probe and the bind is retried on another port.
@@ -23,7 +23,8 @@ Contract:
   them; those lines are not steps.
 * :meth:`LlamaServer.complete` posts token ids to ``/completion`` (no prompt cache, so each prompt
   starts cold) and returns the response with ``steps``: the accepted drafts of each verify step,
-  read from the log lines the request produced.
+  read from the log lines the request produced, and ``drafts_total``: [drafting calls, their ms], as
+  llama.cpp's speculative statistics count them since the server started.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 from dflash_staged.errors import DflashError
 from dflash_staged.procs import die_with_parent
 
+DRAFT_TIME = re.compile(r"#calls\(b,g,a\) =\s+\d+\s+(\d+).*dur\(b,g,a\) = [\d.]+, ([\d.]+), [\d.]+ ms")
 ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens\s*$", re.M)
 
 
@@ -81,7 +83,7 @@ class LlamaServer:
 
     def command(self, port: int) -> list[str]:
         cmd = [str(self.bin_dir / "llama-server"), "-m", str(self.model), "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "-c", str(self.ctx_size), "-np", "1", "--no-webui"]
+        cmd += ["--port", str(port), "-c", str(self.ctx_size), "-np", "1", "--no-webui", "-lv", "4"]
         if self.threads:
             cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
         if self.kv_type:
@@ -210,8 +212,10 @@ class LlamaServer:
         seed: int = 0,
         top_p: float = 1.0,
         top_k: int = 0,
+        cache_prompt: bool = False,
     ) -> dict:
-        """One prompt (token ids); the response plus ``steps`` (see the module docstring)."""
+        """One prompt (token ids); the response plus ``steps`` (see the module docstring).
+        ``cache_prompt``: reuse the KV cache of the previous prompt's common prefix (timing a batch)."""
         start = self.log.stat().st_size
         body = {
             "prompt": list(ids),
@@ -221,7 +225,7 @@ class LlamaServer:
             "top_p": top_p,
             "min_p": 0.0,
             "seed": seed,
-            "cache_prompt": False,
+            "cache_prompt": cache_prompt,
             "return_tokens": True,
             "stream": False,
         }
@@ -230,4 +234,7 @@ class LlamaServer:
             f.seek(start)
             text = f.read().decode(errors="replace")
         r["steps"] = [[int(a), int(n)] for a, n in ACCEPTED.findall(text)]
+        stats = DRAFT_TIME.findall(text)
+        if stats:  # llama.cpp's own timer of the drafter's calls, cumulative over the server's life
+            r["drafts_total"] = [int(stats[-1][0]), float(stats[-1][1])]
         return r
