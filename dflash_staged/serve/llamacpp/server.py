@@ -4,10 +4,11 @@ Contract:
 
 * **Start.** :class:`LlamaServer` (a context manager) takes a free loopback port, starts the
   server in a session of its own with ``LLAMA_TRACE=1`` and log verbosity 4 (one log line per verify
-  step: ``accepted a/n draft tokens``; the speculative statistics after each request) and the death signal of this process (Linux ``PR_SET_PDEATHSIG``),
-  and returns once ``GET /health`` answers 200. A server that exits before it is ready, or that is not
-  ready within ``ready_timeout_s``, raises one line quoting its log's last line; a port taken between
-  the probe and the bind is retried on another port.
+  step: ``accepted a/n draft tokens``; the speculative statistics after each request) and the death
+  signal of this process (Linux ``PR_SET_PDEATHSIG``), and returns once ``GET /health`` answers 200.
+  A server that exits before it is ready, or that is not ready within ``ready_timeout_s``, raises one
+  line quoting its log's last line; a port taken between the probe and the bind is retried on another
+  port.
 * **Stop.** On every exit path of the ``with`` block (an error, Ctrl-C, a normal end) the server's
   process group gets SIGTERM, then SIGKILL after 5 s; if this process is killed, the kernel sends the
   server SIGKILL. Its log (``log``) is kept.
