@@ -229,4 +229,9 @@ def eval_cmd(
                 f"identical, "
                 f"tau {a['tau_served']:.3f} vs {a['tau_eval']:.3f}"
             )
+    for r in report.get("recommended", []):
+        click.echo(
+            f"fastest here at {r['outtype']}, T={r['temperature']}: --spec-draft-n-max {r['n_max']} "
+            f"({r['speedup']:.2f}x plain decoding)"
+        )
     click.echo(f"report: {Path(out) / 'serve_eval.json'}")

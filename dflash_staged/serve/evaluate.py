@@ -147,7 +147,7 @@ def _summary(recs: list[dict], base: list[dict] | None, greedy: bool) -> dict:
     }
     calls, ms = sum(r.get("draft_calls", 0) for r in recs), sum(r["decode_ms"] for r in recs)
     if calls and steps:  # where a step's time goes: the drafter (llama.cpp's own timer), and the rest
-        draft_ms = sum(r["draft_ms"] for r in recs)
+        draft_ms = sum(r.get("draft_ms", 0.0) for r in recs)
         run["step_ms"] = {
             "total": round(ms / len(steps), 3),
             "drafter": round(draft_ms / calls, 3),
@@ -330,8 +330,25 @@ def serve_eval(
                     report["runs"].append(run)
                     _say(format_run(run), quiet)
             _say(f"{outtype} n_max={n}: {time.monotonic() - t0:.0f} s", quiet)
+    report["recommended"] = recommend(report["runs"])
     write_json_atomic(out / "serve_eval.json", report)
     return report
+
+
+def recommend(runs: list[dict]) -> list[dict]:
+    """For each outtype and temperature measured at more than one n_max: the fastest n_max here."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if "speedup" in r:
+            groups.setdefault((r["outtype"], r["temperature"]), []).append(r)
+    out = []
+    for (outtype, t), rs in groups.items():
+        if len(rs) > 1:
+            best = max(rs, key=lambda r: r["speedup"])
+            out.append(
+                {"outtype": outtype, "temperature": t, "n_max": best["n_max"], "speedup": best["speedup"]}
+            )
+    return out
 
 
 def format_run(r: dict) -> str:

@@ -205,6 +205,20 @@ class LlamaServer:
                 f"(log: {self.log})"
             ) from None
 
+    def _request_log(self, start: int, wait_s: float = 10.0) -> str:
+        """The log written since ``start``, once it holds the request's last timing line (the speculative
+        statistics, or the graphs reused): llama.cpp logs from a thread of its own, so its lines can land
+        after the response."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with open(self.log, "rb") as f:
+                f.seek(start)
+                text = f.read().decode(errors="replace")
+            marker = "statistics" if self.draft is not None else "graphs reused ="
+            if marker in text or time.monotonic() > deadline:
+                return text
+            time.sleep(0.02)
+
     def complete(
         self,
         ids: list[int],
@@ -231,9 +245,7 @@ class LlamaServer:
             "stream": False,
         }
         r = self.post("/completion", body)
-        with open(self.log, "rb") as f:
-            f.seek(start)
-            text = f.read().decode(errors="replace")
+        text = self._request_log(start)
         r["steps"] = [[int(a), int(n)] for a, n in ACCEPTED.findall(text)]
         stats = DRAFT_TIME.findall(text)
         if stats:  # llama.cpp's own timer of the drafter's calls, cumulative over the server's life
