@@ -134,3 +134,50 @@ def test_a_killed_command_takes_its_server_with_it(served, llama_bin, tmp_path):
     while pid_alive(HOST, server, None) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pid_alive(HOST, server, None)
+
+
+def test_export_command_and_q8_0_serving(served, tmp_path):
+    """``dflash serve export`` writes the GGUF files with llama.cpp's converter and the server line; at q8_0
+    (llama.cpp's defaults: f16 caches, flash attention) the drafter still serves losslessly."""
+    from click.testing import CliRunner
+
+    from dflash_staged.cli import main
+    from dflash_staged.serve.evaluate import serve_eval
+
+    ckpt = served["root"] / "dflash2" / "ckpt"
+    if not ckpt.is_dir():
+        ckpt = fitted_checkpoint(
+            tmp_path / "ckpt",
+            "dflash2",
+            served["target"],
+            served["target_dir"],
+            served["prompts"],
+            NEW_TOKENS,
+        )
+    args = ["serve", "export", "--drafter", str(ckpt), "--target", str(served["target_dir"])]
+    r = CliRunner().invoke(
+        main, [*args, "--out", str(tmp_path / "gguf"), "--outtype", "q8_0", "--with-target"]
+    )
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "gguf" / "drafter-q8_0.gguf").is_file() and (
+        tmp_path / "gguf" / "target-q8_0.gguf"
+    ).is_file()
+    assert "--spec-type draft-dflash --spec-draft-n-max 7" in r.output
+    rep = serve_eval(
+        ckpt,
+        served["target_dir"],
+        served["file"],
+        tmp_path / "serve",
+        NEW_TOKENS,
+        outtypes=("q8_0",),
+        n_max=[3, 7],
+        quiet=True,
+    )
+    assert [(x["kv_cache"], x["flash_attn"], x["n_max"]) for x in rep["runs"]] == [
+        ("f16", "auto", 3),
+        ("f16", "auto", 7),
+    ]
+    for run in rep["runs"]:
+        assert run["lossless"] == {"identical_prompts": 3, "prompts": 3}
+        assert run["tau"] > 1.5 and run["step_ms"]["drafter"] > 0
+    assert [x["n_max"] for x in rep["recommended"]] in ([3], [7])
