@@ -53,7 +53,9 @@ def test_served_tau_equals_dflash_eval_step_for_step(served, family):
     ckpt = fitted_checkpoint(
         root / "ckpt", family, served["target"], served["target_dir"], served["prompts"], NEW_TOKENS
     )
-    rep = serve_eval(ckpt, served["target_dir"], served["file"], root / "serve", NEW_TOKENS, quiet=True)
+    rep = serve_eval(
+        ckpt, served["target_dir"], served["file"], root / "serve", NEW_TOKENS, quiet=True, kind="cpu"
+    )
     (run,) = rep["runs"]
     assert run["lossless"] == {"identical_prompts": 3, "prompts": 3}
     ev = run_eval(ckpt, str(served["target_dir"]), served["file"], NEW_TOKENS, device="cpu", quiet=True)

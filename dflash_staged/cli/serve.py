@@ -157,6 +157,12 @@ def export_cmd(drafter_path, target_dir, out, outtype, with_target, with_target_
 )
 @click.option("--chat-template-kwargs", "chat_kwargs", default=None, metavar="JSON", help="As dflash eval's.")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None, help="As dflash eval's.")
+@click.option(
+    "--kind",
+    type=click.Choice(["cpu", "cuda"]),
+    default=None,
+    help="The llama.cpp build to serve with (default: cuda with nvcc and a GPU).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @user_errors
 def eval_cmd(
@@ -174,6 +180,7 @@ def eval_cmd(
     compare_path,
     chat_kwargs,
     chat_template,
+    kind,
     as_json,
 ) -> None:
     """Decode the prompts in a real llama-server with and without the drafter: tau, tokens/s, lossless."""
@@ -204,6 +211,7 @@ def eval_cmd(
         if chat_kwargs
         else None,
         chat_template=chat_template,
+        kind=kind,
     )
     if compare_path is not None:
         try:

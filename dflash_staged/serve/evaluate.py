@@ -236,8 +236,10 @@ def serve_eval(
     chat_template=None,
     baseline: bool = True,
     quiet: bool = False,
+    kind: str | None = None,
 ) -> dict:
-    """Every prompt through llama-server, with and without the drafter; the report (module docstring)."""
+    """Every prompt through llama-server, with and without the drafter; the report (module docstring).
+    ``kind``: the llama.cpp build, ``cpu`` or ``cuda`` (every layer offloaded); default: cuda with a GPU."""
     from dflash_staged.config import target_from_spec
     from dflash_staged.evaluate.prompts import chat_options, load_prompts
     from dflash_staged.model.drafters.weights import read_drafter_config
@@ -276,11 +278,12 @@ def serve_eval(
         raise DflashError(
             f"--out {out}: cannot create it ({e.strerror}); choose a writable directory"
         ) from None
-    kind = "cpu"
+    kind = kind or llama_build.default_kind()
     if not llama_build.is_built(kind):
         _say("llama-server is not built on this machine yet: building it first (once)", quiet)
     bin_dir = llama_build.build(kind, quiet=quiet)
     threads = threads or os.cpu_count() or 1
+    gpu = kind == "cuda"
     src = llama_build.SOURCE
     report = {
         "engine": {
@@ -308,7 +311,7 @@ def serve_eval(
         base: dict[float, list[dict]] = {}
         if baseline:
             log = out / "logs" / f"plain-{outtype}.log"
-            with LlamaServer(bin_dir, tgt, log, threads=threads, kv_type=kv, flash_attn=fa) as srv:
+            with LlamaServer(bin_dir, tgt, log, threads=threads, kv_type=kv, flash_attn=fa, gpu=gpu) as srv:
                 for t in temperatures:
                     base[t] = _decode_all(
                         srv, prompts, max_new_tokens, t, seed, f"{outtype} plain T={t}", quiet
@@ -317,7 +320,7 @@ def serve_eval(
             log = out / "logs" / f"spec-{outtype}-n{n}.log"
             t0 = time.monotonic()
             kw = {"draft": dft, "spec_type": spec_type, "n_max": n, "threads": threads}
-            kw.update(kv_type=kv, flash_attn=fa)
+            kw.update(kv_type=kv, flash_attn=fa, gpu=gpu)
             with LlamaServer(bin_dir, tgt, log, **kw) as srv:
                 for t in temperatures:
                     label = f"{outtype} n_max={n} T={t}"

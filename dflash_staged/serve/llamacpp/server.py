@@ -74,11 +74,12 @@ class LlamaServer:
         flash_attn: str | None = None,
         ready_timeout_s: float = 300.0,
         extra: tuple[str, ...] = (),
+        gpu: bool = False,
     ):
         self.bin_dir, self.model, self.log, self.draft = Path(bin_dir), Path(model), Path(log), draft
         self.spec_type, self.n_max, self.threads, self.ctx_size = spec_type, n_max, threads, ctx_size
         self.ready_timeout_s, self.extra, self.kv_type = ready_timeout_s, extra, kv_type
-        self.flash_attn = flash_attn
+        self.flash_attn, self.gpu = flash_attn, gpu
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -91,6 +92,8 @@ class LlamaServer:
             cmd += ["-ctk", self.kv_type, "-ctv", self.kv_type]
         if self.flash_attn:
             cmd += ["-fa", self.flash_attn]
+        if self.gpu:  # a CUDA build: every layer of both models on the GPU
+            cmd += ["-ngl", "999"] + (["-ngld", "999"] if self.draft is not None else [])
         if self.draft is not None:
             cmd += ["-md", str(self.draft), "--spec-type", self.spec_type or "draft-dflash"]
             cmd += ["--spec-draft-p-min", "0", "--spec-draft-n-min", "0"]
