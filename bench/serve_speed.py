@@ -114,6 +114,7 @@ def main() -> None:
         n_max=n_max,
         threads=args.threads,
         limit=args.limit,
+        kind="cpu",
     )
     for r in rep["runs"]:
         r.pop("per_prompt", None)

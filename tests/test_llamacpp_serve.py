@@ -174,6 +174,7 @@ def test_export_command_and_q8_0_serving(served, tmp_path):
         outtypes=("q8_0",),
         n_max=[3, 7],
         quiet=True,
+        kind="cpu",
     )
     assert [(x["kv_cache"], x["flash_attn"], x["n_max"]) for x in rep["runs"]] == [
         ("f16", "auto", 3),
