@@ -15,6 +15,10 @@ rejection sampler is lossless by construction and tested so). With several setti
 top level is the first run and ``runs`` lists every run (``dflash eval --temperature 0,1``: greedy
 and T=1 tau from one load of the models).
 
+Each run's ``per_prompt`` gives, for each prompt, its line, lengths, tau and timings, the new tokens
+(``tokens``) and the tokens each verify step committed (``accepted``): ``dflash serve eval --compare``
+holds a served drafter to them step by step.
+
 Two taus, each named (both count the bonus token, as the reference does):
 
 * ``tau_per_prompt_mean``: the mean over prompts of each prompt's mean committed tokens per
