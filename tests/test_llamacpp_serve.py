@@ -27,7 +27,7 @@ def llama_bin():
     if not llama_build.is_built("cpu"):
         if os.environ.get("DFLASH_REQUIRE_LLAMA_CPP") == "1":
             pytest.fail(f"llama-server is not built under {llama_build.home()}: run `dflash serve build`")
-        pytest.skip("llama-server is not built on this machine: run `dflash serve build` (once, 10-30 min)")
+        pytest.skip("llama-server is not built on this machine: run `dflash serve build` (once, 6-30 min)")
     return llama_build.bin_dir("cpu")
 
 

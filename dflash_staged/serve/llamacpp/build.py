@@ -250,7 +250,7 @@ def build(
         resumed = (out / "CMakeCache.txt").is_file()
         _say(
             f"{'resuming' if resumed else 'building'} llama-server ({kind}, {source.package} "
-            f"{source.version}) in {out} with {jobs} jobs; on 2 CPU cores this takes 10 to 30 minutes, "
+            f"{source.version}) in {out} with {jobs} jobs; on 2 CPU cores this takes 6 to 30 minutes, "
             f"once per machine (log: {log})",
             quiet,
         )
