@@ -90,7 +90,7 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.platform()}
 
 
-def _prompt_result(resp: dict, max_new_tokens: int) -> dict:
+def _prompt_result(resp: dict) -> dict:
     tokens = [int(t) for t in resp.get("tokens") or []]
     t = resp.get("timings") or {}
     left = max(0, len(tokens) - 1)  # the first token comes from the prefill
@@ -114,14 +114,11 @@ def _prompt_result(resp: dict, max_new_tokens: int) -> dict:
 
 
 def _decode_all(server: LlamaServer, prompts, max_new_tokens, temperature, seed, label, quiet) -> list[dict]:
-    out, before = [], [0, 0.0]
+    out = []
     for i, (line, ids) in enumerate(prompts):
         resp = server.complete(ids, max_new_tokens, temperature=temperature, seed=seed + line)
-        rec = {"line": line, "prompt_tokens": len(ids), **_prompt_result(resp, max_new_tokens)}
-        if "drafts_total" in resp:
-            now = resp["drafts_total"]
-            rec.update(draft_calls=now[0] - before[0], draft_ms=round(now[1] - before[1], 3))
-            before = now
+        rec = {"line": line, "prompt_tokens": len(ids), **_prompt_result(resp)}
+        rec.update({k: resp[k] for k in ("draft_calls", "draft_ms") if k in resp})
         out.append(rec)
         _say(
             f"{label}: prompt {i + 1}/{len(prompts)} (line {line}): {rec['new_tokens']} tokens, "

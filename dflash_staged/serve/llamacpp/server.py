@@ -24,8 +24,8 @@ Contract:
   them; those lines are not steps.
 * :meth:`LlamaServer.complete` posts token ids to ``/completion`` (no prompt cache, so each prompt
   starts cold) and returns the response with ``steps``: the accepted drafts of each verify step,
-  read from the log lines the request produced, and ``drafts_total``: [drafting calls, their ms], as
-  llama.cpp's speculative statistics count them since the server started.
+  read from the log lines the request produced, and ``draft_calls`` and ``draft_ms``: the request's
+  drafting calls and their time, from llama.cpp's speculative statistics (which count since the start).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class LlamaServer:
         self.ready_timeout_s, self.extra, self.kv_type = ready_timeout_s, extra, kv_type
         self.flash_attn, self.gpu = flash_attn, gpu
         self.proc: subprocess.Popen | None = None
+        self._drafts = (0, 0.0)  # the drafter's calls and ms llama.cpp had counted after the last request
         self.port = 0
 
     def command(self, port: int) -> list[str]:
@@ -118,7 +119,7 @@ class LlamaServer:
 
     def _start_once(self) -> bool:
         """True when ready; False when the port was taken (try another); raises otherwise."""
-        self.port = free_port()
+        self.port, self._drafts = free_port(), (0, 0.0)
         env = {**os.environ, "LLAMA_TRACE": "1"}
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             filter(None, [str(self.bin_dir), env.get("LD_LIBRARY_PATH")])
@@ -252,5 +253,7 @@ class LlamaServer:
         r["steps"] = [[int(a), int(n)] for a, n in ACCEPTED.findall(text)]
         stats = DRAFT_TIME.findall(text)
         if stats:  # llama.cpp's own timer of the drafter's calls, cumulative over the server's life
-            r["drafts_total"] = [int(stats[-1][0]), float(stats[-1][1])]
+            now = (int(stats[-1][0]), float(stats[-1][1]))
+            r["draft_calls"], r["draft_ms"] = now[0] - self._drafts[0], round(now[1] - self._drafts[1], 3)
+            self._drafts = now
         return r
