@@ -220,12 +220,12 @@ def eval_cmd(
             raise DflashError(f"--compare {compare_path}: cannot read the dflash eval report ({e})") from None
         for run in report["runs"]:
             if run["temperature"] == 0:
-                run["agreement"] = {k: v for k, v in agreement(run["per_prompt"], ev["per_prompt"]).items()}
+                run["agreement"] = agreement(run["per_prompt"], ev["per_prompt"])
         from dflash_staged.fsutil import write_json_atomic
 
         write_json_atomic(Path(out) / "serve_eval.json", report)
     if as_json:
-        click.echo(json.dumps({k: v for k, v in report.items()}, indent=1))
+        click.echo(json.dumps(report, indent=1))
         return
     for run in report["runs"]:
         click.echo(format_run(run))

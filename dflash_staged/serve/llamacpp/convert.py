@@ -95,24 +95,3 @@ def convert(
         tmp.unlink(missing_ok=True)
     stamp.write_text(json.dumps(rec))
     return out
-
-
-def gguf_metadata(path: str | Path, source: PinnedSource = SOURCE) -> dict:
-    """The GGUF file's key-value metadata (scalars and short arrays), read with the tree's ``gguf-py``."""
-    src = ensure_source(source, quiet=True)
-    sys.path.insert(0, str(src / "gguf-py"))
-    try:
-        from gguf import GGUFReader  # noqa: PLC0415 - the pinned tree's package
-
-        reader = GGUFReader(str(path))
-    finally:
-        sys.path.remove(str(src / "gguf-py"))
-    out = {}
-    for name, field in reader.fields.items():
-        try:
-            v = field.contents()
-        except Exception:  # noqa: BLE001 - a field of a type we do not need
-            continue
-        if not isinstance(v, list) or len(v) <= 64:
-            out[name] = v
-    return out
