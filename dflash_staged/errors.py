@@ -5,6 +5,7 @@ Every message names what was wrong (file, line, field, path) and what to do abou
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 
@@ -25,8 +26,33 @@ class BadRecord(Exception):
         self.field = field
 
 
+# The errors a user fixes by choosing another path (or freeing space): one line, no traceback.
+USER_ERRNOS = {
+    errno.EROFS: "choose a path on a writable disk",
+    errno.EACCES: "choose a path you can write, or fix its permissions",
+    errno.EPERM: "choose a path you can write",
+    errno.ENOSPC: "free some space or choose another disk",
+    errno.EDQUOT: "free some space or choose another disk",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; choose another path",
+    errno.EISDIR: "give a file, not a folder",
+    errno.ENAMETOOLONG: "choose a shorter path",
+}
+
+
+def os_error_line(e: OSError, flag: str = "") -> str | None:
+    """One line for an OS error a user fixes (read-only, permission, no space, not a directory), naming
+    ``flag`` and the path; None for any other error (a bug to show in full)."""
+    fix = USER_ERRNOS.get(e.errno)
+    if fix is None:
+        return None
+    where = " ".join(str(x) for x in (flag, e.filename) if x)
+    return f"{where or 'a path'}: {e.strerror}; {fix}"
+
+
 def user_errors(fn):
-    """Turn DflashError into one `error: ...` line and exit code 1 (no traceback)."""
+    """The CLI's error boundary: a DflashError, or an OS error the user fixes by choosing another path
+    (read-only, permission, no space, not a directory: :func:`os_error_line`),
+    becomes one `error: ...` line and exit code 1 (no traceback); anything else is a bug, shown in full."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -34,6 +60,12 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except DflashError as e:
             print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
+        except OSError as e:
+            line = os_error_line(e)
+            if line is None:
+                raise
+            print(f"error: {line}", file=sys.stderr)
             sys.exit(1)
 
     return wrapper

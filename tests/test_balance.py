@@ -155,7 +155,42 @@ def test_collect_sums_live_processes_and_falls_back_to_the_last_finished_run():
     assert short(collect([proc("extract", fig(None, ex(0, 0)))], {}, 0.0)) == ""  # nothing counted yet
 
 
+def test_a_trainer_gone_with_jobs_left_gets_no_advice_to_move_devices():
+    """Issue 50: after the trainer was interrupted, extract (waiting on its full window for a trainer that
+    is gone) advised moving devices to train. The advice is for a trainer alive and slow, or one that
+    trained every job."""
+    live = [proc("extract", fig(None, ex(10, 90), devices=["cuda:0"]))]
+    finished = {"train": [fig(None, tr(50, 1), run="g", rank=0, devices=["cuda:1"])]}
+    gone = collect(live, finished, now=101.0, train_left=5)
+    for span in ("recent", "total"):
+        v = gone["verdict"][span]
+        assert v["bottleneck"] is None and v["split"] is None and "GPUs" not in v["text"]
+        assert v["text"].startswith("no trainer is running and 5 job(s) are left to train"), v["text"]
+        assert "start `dflash train`" in v["text"]
+    assert "bottleneck" not in short(gone) and "move" not in " ".join(format_balance(gone))
+    finished_all = collect(live, finished, now=101.0, train_left=0)  # it trained every job
+    assert finished_all["verdict"]["total"]["bottleneck"] == "train"
+    alive = collect(live + [proc("train", fig(None, tr(50, 1)), pid=2)], {}, now=101.0, train_left=5)
+    assert alive["verdict"]["total"]["bottleneck"] == "train" and "GPUs" in alive["verdict"]["total"]["text"]
+
+
 # ---------------------------------------------------------------------------------------------- the manifest
+def test_status_counts_the_jobs_a_gone_trainer_left(tmp_path):
+    mdir = plan(tmp_path, n=8)
+    with Manifest.open(mdir) as m:
+        m.register("extract", info={"devices": ["cpu"], "tp": 1})
+        m.report("extract", fig(None, ex(10, 90), devices=["cpu"]))
+        key = m.register("train", group_id="g", rank=0)
+        m.report("train", fig(None, tr(50, 1), run="g", rank=0, devices=["cpu"]), final=True)
+        m.unregister(key)  # interrupted: no job was trained
+        st = m.status()
+        left = st["total_jobs"]
+        assert left > 0 and st["groups"]["trained"] == 0
+        for span in ("recent", "total"):
+            text = st["balance"]["verdict"][span]["text"]
+            assert text.startswith(f"no trainer is running and {left} job(s) are left to train"), text
+
+
 def test_report_reaches_status_through_each_backend(tmp_path, backend):
     mdir = plan(tmp_path, n=8, manifest=backend.address(tmp_path))
     with Manifest.open(mdir) as m:

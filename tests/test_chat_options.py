@@ -181,7 +181,9 @@ def test_eval_renders_prompts_with_the_recorded_options(tmp_path):
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
     r = eval_report()
-    assert r["chat"]["kwargs"] == {"enable_thinking": False} and r["chat"]["from"].startswith("recorded in ")
+    assert r["chat"]["kwargs"] == {"enable_thinking": False} and r["chat"]["from"].startswith(
+        "the checkpoint's record, "
+    )
     assert r["per_prompt"][0]["prompt_tokens"] == rendered(False)
     r = eval_report("--chat-template-kwargs", '{"enable_thinking": true}')
     assert r["chat"]["kwargs"] == {"enable_thinking": True}

@@ -82,16 +82,18 @@ def test_replan_same_is_noop_and_different_refuses(tmp_path):
     assert code == 1 and "data_hash" in out
 
 
-def test_default_manifest_dir_and_messages(tmp_path, monkeypatch):
+def test_manifest_is_required_and_messages_are_planned(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     conv = [
         {"role": "user", "content": "what is the capital of france"},
         {"role": "assistant", "content": "paris is the answer. " * 4},
     ]
     data = write(tmp_path / "d.jsonl", [{"messages": conv}] + rows(5))
-    code, out = run("plan", "--config", CONFIG, "--data", data)
+    code, out = run("plan", "--config", CONFIG, "--data", data)  # required, as for every other command
+    assert code == 2 and "Missing option '--manifest'" in out and not (tmp_path / "manifests").exists(), out
+    code, out = run("plan", "--config", CONFIG, "--data", data, "--manifest", tmp_path / "m")
     assert code == 0, out
-    with Manifest.open(tmp_path / "manifests" / "tiny", readonly=True) as m:
+    with Manifest.open(tmp_path / "m", readonly=True) as m:
         ids, mask = m.sample(0)
         assert m.status()["samples"] == 6 and mask.sum() >= 16 and mask[0] == 0
 

@@ -11,7 +11,7 @@ import pytest
 
 from dflash_staged.manifest import Manifest
 
-from helpers import ROOT, cli, write_config
+from helpers import ROOT, TINY, cli, write_config, write_dataset
 
 EXTRA = "[data]\nmin_loss_tokens = 1\nmax_len = 64\n"
 ANSWER = "paris is the answer, the data says so."
@@ -64,10 +64,11 @@ def test_text_view_marks_the_loss_and_reports_the_whole_file(tmp_path, data):
 
 def test_chosen_lines_colour_and_html(tmp_path, data):
     p, cfg = data
-    code, out = cli("data", "show", "--config", cfg, "--data", p, "--line", 3, "--row", 9, "--color")
+    p.write_text(p.read_text() + json.dumps(records()[2]) + "\n")  # line 5 is blank, 6 a sample
+    code, out = cli("data", "show", "--config", cfg, "--data", p, "--line", 3, "--row", 5, "--color")
     assert code == 0, out
     assert "line/row 3: 10 tokens, 6 carry the loss" in out and "line/row 1:" not in out
-    assert "not samples (blank, bad or skipped; see the counts above): line/row 9" in out
+    assert "not samples (blank, bad or skipped; see the counts above): line/row 5" in out
     assert "\x1b[" in out and "[[" not in out
     page = tmp_path / "show.html"
     code, out = cli("data", "show", "--config", cfg, "--data", p, "--html", page)
@@ -76,6 +77,12 @@ def test_chosen_lines_colour_and_html(tmp_path, data):
     assert f"<span class='loss'>{ANSWER}&lt;|im_end|&gt;</span>" in html
     assert "<span class='ctx'>&lt;|im_start|&gt;user\nwhat is the capital of france" in html
     assert not list(tmp_path.glob("*.tmp*")) and not list(tmp_path.glob(".show*"))
+
+
+def test_a_line_past_the_end_is_one_line_and_exit_1(tmp_path):
+    p = write_dataset(tmp_path / "d.jsonl", n=200)
+    code, out = cli("data", "show", "--config", TINY, "--data", p, "--line", 2, "--line", 500)
+    assert code == 1 and out == f"error: {p}: line 500 is past the end (the file has 200 lines)\n", out
 
 
 def test_bad_record_is_one_line(tmp_path, data):

@@ -210,16 +210,22 @@ def test_load_prompts_messages_and_ids(tmp_path):
     )["input_ids"]
     assert got == [(1, want), (3, [5, 6, 7])]
     assert len(load_prompts(f, lambda: tok, 2048, limit=1)) == 1
+    # ShareGPT conversations (from/value, an optional system), as plan and regenerate read them
+    g = tmp_path / "sharegpt.jsonl"
+    turns = [{"from": "human", "value": m["content"]} for m in msgs[:1]] + [{"from": "gpt", "value": "ref"}]
+    g.write_text(json.dumps({"conversations": turns}) + "\n")
+    assert load_prompts(g, lambda: tok, 2048) == [(1, want)]
 
 
 @pytest.mark.parametrize(
     "line,needle",
     [
         ("not json", ":1: line: invalid JSON"),
-        ('{"text": "x"}', ":1: line: no messages or input_ids"),
+        ('{"text": "x"}', ":1: line: no messages, conversations or input_ids"),
         ('{"input_ids": [1, "a"]}', ":1: input_ids: expected a non-empty list"),
         ('{"input_ids": [1, 99999]}', ":1: input_ids: token id 99999 is outside"),
-        ('{"messages": [{"role": "user"}]}', ":1: messages[0]: expected"),
+        ('{"messages": [{"role": "user"}]}', ":1: messages[0].content: missing field"),
+        ('{"conversations": [{"from": "robot", "value": "x"}]}', ":1: conversations[0].from: unknown role"),
         ('{"messages": [{"role": "assistant", "content": "x"}]}', ":1: messages: only assistant turns"),
     ],
 )

@@ -28,7 +28,7 @@ import os, signal, sys, time
 mode = sys.argv[1]
 def term(signum, frame):
     print(f"term {signum}", flush=True)
-    sys.exit(0)
+    sys.exit(128 + signum if mode == "clean" else 0)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "ignore" else term)
 print(f"ready {os.getpid()}", flush=True)
 if mode.startswith("exit"):
@@ -42,7 +42,8 @@ time.sleep(120)
 
 
 def child(mode: str) -> list[str]:
-    """A fake stage: 'sleep' (until SIGTERM, then exit 0), 'ignore' (ignores SIGTERM), 'exitN', 'runS'."""
+    """A fake stage: 'sleep' (until SIGTERM, then exit 0), 'clean' (until SIGTERM, then exit 143 as dflash
+    train does after its checkpoint), 'ignore' (ignores SIGTERM), 'exitN', 'runS'."""
     return [sys.executable, "-c", CHILD, mode]
 
 
@@ -344,6 +345,18 @@ def test_sigint_is_forwarded_to_both_children():
     assert ln.p.wait(timeout=60) == 130
     out = "".join(ln.lines)
     assert f"[extract] term {int(signal.SIGTERM)}" in out and f"[train] term {int(signal.SIGTERM)}" in out
+
+
+def test_a_clean_stop_never_reads_as_a_crash():
+    """Ctrl-C: train checkpoints and exits 143 (128 + SIGTERM), as it should; the summary says stopped
+    cleanly and how to resume, not "exit 143"."""
+    ln = Launcher("sleep", "clean")
+    ln.pids()
+    ln.p.send_signal(signal.SIGINT)
+    assert ln.p.wait(timeout=60) == 130
+    out = "".join(ln.lines)
+    assert "[launch] summary: stopped cleanly (exit 130); rerun the same command to resume" in out, out
+    assert "(stopped cleanly), total" in out and "exit 143" not in out, out
 
 
 def test_second_signal_kills_children_that_ignore_the_first():

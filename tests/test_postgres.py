@@ -122,7 +122,10 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, pg, case):
         want = ["user 'noperm' may not create the manifest schema", "GRANT CREATE ON DATABASE postgres"]
     elif case == "not_planned":
         args = ["status", "--manifest", pg.url(name)]
-        want = [f"no manifest '{name}' in database 'postgres'", "run `dflash plan --manifest"]
+        want = [
+            f"no manifest '{name}' in database 'postgres'",
+            "run `dflash plan --config CONFIG.toml --data",
+        ]
     elif case == "other_plan":
         url = plan(tmp_path, extra=EXTRA, manifest=pg.url(name))
         before = schemas(pg)

@@ -104,7 +104,7 @@ def test_stages_import_downward():
     """Lower layers never import higher ones: e.g. the manifest and the store know nothing of the stages."""
     layers = [
         ["errors", "procs", "children", "sizes", "split"],
-        ["fsutil", "dtypes", "config", "chat"],
+        ["fsutil", "dtypes", "config", "chat", "preflight"],
         ["manifest", "store", "model"],
         ["plan", "extract", "train", "regenerate"],
         ["evaluate", "serve"],

@@ -13,7 +13,7 @@ from dflash_staged.manifest.status import format_reformations
 from dflash_staged.model.drafters.weights import load_drafter
 from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 
-from helpers import dflash, plan, run_dflash, sample_while, status
+from helpers import dflash, plan, run_dflash, sample_while, start, status
 
 EXTRA = "[data]\ntoken_budget = 512\n"
 
@@ -148,8 +148,17 @@ def test_replay_is_deterministic_and_resumes_equal(kept, tmp_path):
     c1 = run_dflash(*args, "--out", tmp_path / "c", "--max-steps", "2")
     assert c1.returncode == 0, c1.stdout + c1.stderr
     assert [x["step"] for x in metrics(tmp_path / "c")] == [1, 2]
+    ck = latest_checkpoint(tmp_path / "c")
+    assert f"train: stopped at --max-steps 2 at step 2, checkpoint {ck}: rerun with more" in c1.stderr
     c2 = run_dflash(*args, "--out", tmp_path / "c")
     assert c2.returncode == 0, c2.stdout + c2.stderr
+    # the rerun says it resumes (and not how a fresh drafter was initialised), then that it is done
+    assert f"train: resuming from step 2 (checkpoint {ck})" in c2.stderr, c2.stderr
+    assert "initialised from the target" not in c2.stderr and "initialised from the target" in a.stderr
+    done = (
+        f"train: done: {len(la)} steps, final checkpoint {latest_checkpoint(tmp_path / 'c')}; over the last"
+    )
+    assert done in c2.stderr and "training tau" in c2.stderr and "dflash serve export" in c2.stderr
     lc = metrics(tmp_path / "c")
     assert [x["jobs"] for x in lc] == [x["jobs"] for x in la]
     assert [x["lr"] for x in lc] == [x["lr"] for x in la]
@@ -209,6 +218,28 @@ def test_replay_order_from_and_overrides(kept, tmp_path):
         "target.target_layer_ids=[1]",
     )
     assert bad.returncode == 1 and "cannot be changed" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_ctrl_c_stops_cleanly_says_where_and_the_rerun_resumes(kept, tmp_path):
+    args = ("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store")
+    args += ("--out", tmp_path / "r", "--passes", "200", "--set", "train.checkpoint_every=100000")
+    log = tmp_path / "train.log"
+    p = start(list(args), log)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if (tmp_path / "r" / "metrics.jsonl").exists() and len(metrics(tmp_path / "r")) >= 2:
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=120)
+    err = log.read_text()
+    assert p.returncode == 130, err
+    step = metrics(tmp_path / "r")[-1]["step"]
+    ck = latest_checkpoint(tmp_path / "r")
+    line = f"train: stopped by SIGINT at step {step}, checkpoint {ck}: rerun the same command to resume"
+    assert line in err and "Traceback" not in err, err
+    r = run_dflash(*args, "--max-steps", str(step + 1))
+    assert f"train: resuming from step {step} (checkpoint {ck})" in r.stderr, r.stderr
 
 
 def test_ddp_two_ranks_gloo(extracted, tmp_path):

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import click
 
-from dflash_staged.cli.options import MANIFEST_HELP
+from dflash_staged.cli.options import MANIFEST_HELP, InOrder
 from dflash_staged.errors import user_errors
 
 
-@click.command("plan")
+@click.command("plan", short_help="Tokenise and batch the data into a manifest of jobs.")
 @click.option("--config", "config_path", required=True, help="Config TOML, e.g. configs/tiny.toml.")
 @click.option(
     "--data",
@@ -19,9 +19,7 @@ from dflash_staged.errors import user_errors
     required=True,
     help="JSONL (input_ids/loss_mask, messages or conversations), parquet, or a saved dataset directory.",
 )
-@click.option(
-    "--manifest", "manifest_dir", default=None, help=MANIFEST_HELP + " [default: manifests/<config stem>]"
-)
+@click.option("--manifest", "manifest_dir", required=True, help=MANIFEST_HELP)
 @click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True, help="Epochs to plan.")
 @click.option(
     "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the job order."
@@ -39,12 +37,12 @@ def plan_cmd(config_path, data_path, manifest_dir, epochs, seed, skip_bad):
     )
 
 
-@click.group("data")
+@click.group("data", cls=InOrder)
 def data_group() -> None:
     """Look at training data the way `dflash plan` reads it."""
 
 
-@data_group.command("show")
+@data_group.command("show", short_help="Render samples as plan would, with the loss tokens marked.")
 @click.option(
     "--config", "config_path", required=True, help="Config TOML: the tokenizer, chat template and [data]."
 )
@@ -78,6 +76,7 @@ def data_show(config_path, data_path, num, lines, html_path, color, skip_bad):
     from dflash_staged.plan.show import format_html, format_text, show_data, summary_lines
 
     report = show_data(config_path, data_path, num=num, lines=list(lines), skip_bad=skip_bad, progress=True)
+    _past_the_end(data_path, report)
     if html_path:
         from dflash_staged.fsutil import atomic_write
 
@@ -90,7 +89,19 @@ def data_show(config_path, data_path, num, lines, html_path, color, skip_bad):
     click.echo(format_text(report, color), color=color)
 
 
-@click.command("status")
+def _past_the_end(data_path, report: dict) -> None:
+    """A ``--line`` beyond the data's last line (or row) is an error, not a sample left out."""
+    from dflash_staged.errors import DflashError
+
+    end = report["stats"]["last_record"]
+    past = [n for n in report["not_found"] if n > end]
+    if past:
+        what = "line" if str(report["stats"]["format"]).split(",")[0].endswith("JSONL") else "row"
+        whole = "the file" if Path(data_path).is_file() else "the data"
+        raise DflashError(f"{data_path}: {what} {past[0]} is past the end ({whole} has {end} {what}s)")
+
+
+@click.command("status", short_help="Show a manifest's jobs, window, progress and bottleneck.")
 @click.option("--manifest", "manifest_dir", required=True, help=MANIFEST_HELP)
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object (with --jobs: a JSON array of jobs)."

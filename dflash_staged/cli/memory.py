@@ -8,8 +8,14 @@ import click
 from dflash_staged.errors import user_errors
 
 
-@click.command("memory")
-@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.command("memory", short_help="Estimate a recipe's GPU memory for training, offline.")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Config TOML: the target, [drafter] and [train], e.g. configs/qwen3-8b.toml.",
+)
 @click.option(
     "--device-gib", type=click.FloatRange(min=1), default=80.0, show_default=True, help="GPU memory."
 )
@@ -45,7 +51,13 @@ def memory_cmd(config_path, device_gib, target_dims, sets):
     else:
         from dflash_staged.model.target.dims import target_dims as dims_of
 
-        layers, hidden, vocab = dims_of(cfg.target)
+        try:
+            layers, hidden, vocab = dims_of(cfg.target)
+        except DflashError as e:  # e.g. offline, with the target not downloaded: the dims suffice
+            raise DflashError(
+                f"{e}; or give the target's dimensions: --target-dims LAYERS,HIDDEN,VOCAB (its config's "
+                "num_hidden_layers, hidden_size and vocab_size, e.g. 36,4096,151936 for Qwen3-8B)"
+            ) from None
     ids = cfg.target.target_layer_ids or list(range(cfg.drafter.num_hidden_layers))
     mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else vocab - 1
     d = DraftModelConfig.from_config(cfg, hidden, vocab, layers, ids, mask)

@@ -10,7 +10,7 @@ from dflash_staged.cli.options import parse_json_object
 from dflash_staged.errors import user_errors
 
 
-@click.command("eval")
+@click.command("eval", short_help="Speculative decoding with the target: tau and tokens/s.")
 @click.option(
     "--drafter",
     "drafter_path",
@@ -150,7 +150,13 @@ def eval_cmd(
     from dflash_staged.evaluate.report import format_report, run_eval
     from dflash_staged.evaluate.sampling import SamplingSettings
     from dflash_staged.fsutil import write_json_atomic
+    from dflash_staged.preflight import device as check_device
+    from dflash_staged.preflight import writable_dir
 
+    for flag, path in (("--out", out_path), ("--plot", plot_path)):
+        if path is not None:  # before any prompt is decoded: the report would be lost at the end
+            writable_dir(Path(path).parent, flag)
+    check_device(device)
     kwargs = parse_json_object(chat_kwargs, "--chat-template-kwargs")
     sampling = [SamplingSettings(t, top_p, top_k, seed, draft_sampling) for t in _temperatures(temperatures)]
     report = run_eval(
@@ -194,7 +200,7 @@ def _temperatures(text: str) -> list[float]:
     return out
 
 
-@click.command("plot")
+@click.command("plot", short_help="Draw a run's training curves (loss, tau, learning rate).")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option(
     "--out",

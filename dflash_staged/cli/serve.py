@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
-from dflash_staged.cli.options import parse_json_object
+from dflash_staged.cli.options import InOrder, parse_json_object
 from dflash_staged.errors import user_errors
 
 
-@click.group("serve")
+@click.group("serve", cls=InOrder, short_help="Serve a drafter in llama.cpp: build, export, eval.")
 def serve_group() -> None:
     """Serve a drafter in llama.cpp (CPU or CUDA): build, export, eval.
 
@@ -19,7 +19,7 @@ def serve_group() -> None:
     """
 
 
-@serve_group.command("build")
+@serve_group.command("build", short_help="Download and build llama-server (once per machine).")
 @click.option(
     "--kind", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda with nvcc and a GPU."
 )
@@ -37,7 +37,7 @@ def build_cmd(kind: str | None, jobs: int | None) -> None:
     click.echo(f"{path / 'llama-server'}" + (" (already built)" if was else ""))
 
 
-@serve_group.command("export")
+@serve_group.command("export", short_help="Write the drafter as GGUF (and the llama-server command).")
 @click.option(
     "--drafter",
     "drafter_path",
@@ -56,7 +56,11 @@ def build_cmd(kind: str | None, jobs: int | None) -> None:
     "--out", "out", required=True, type=click.Path(path_type=Path), help="Directory for the GGUF files."
 )
 @click.option(
-    "--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f32", show_default=True
+    "--outtype",
+    type=click.Choice(["f32", "f16", "bf16", "q8_0"]),
+    default="f32",
+    show_default=True,
+    help="GGUF precision (q8_0 is what a llama.cpp user serves).",
 )
 @click.option("--with-target", is_flag=True, help="Also convert the target (target-<outtype>.gguf).")
 @click.option(
@@ -91,7 +95,7 @@ def export_cmd(drafter_path, target_dir, out, outtype, with_target, with_target_
     )
 
 
-@serve_group.command("eval")
+@serve_group.command("eval", short_help="Measure tau and tokens/s in a real llama-server.")
 @click.option(
     "--drafter",
     "drafter_path",
@@ -119,7 +123,13 @@ def export_cmd(drafter_path, target_dir, out, outtype, with_target, with_target_
     type=click.Path(path_type=Path),
     help="Directory: GGUF files, server logs, serve_eval.json.",
 )
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="New tokens per prompt.",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N prompts.")
 @click.option(
     "--outtype",
@@ -144,7 +154,9 @@ def export_cmd(drafter_path, target_dir, out, outtype, with_target, with_target_
     metavar="T[,T...]",
     help="0 = greedy (outputs compared with plain decoding); > 0 samples (llama.cpp's own verify).",
 )
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the sampling at T > 0."
+)
 @click.option(
     "--threads", type=click.IntRange(min=1), default=None, help="Server threads (default: all cores)."
 )

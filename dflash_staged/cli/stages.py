@@ -14,7 +14,7 @@ from dflash_staged.errors import DflashError, user_errors
 from dflash_staged.sizes import ByteSize
 
 
-@click.command()
+@click.command(short_help="Run the target and write hidden-state shards for the jobs.")
 @click.option("--manifest", "manifest_dir", required=True, help=MANIFEST_HELP)
 @click.option(
     "--store", "store_dir", required=True, type=click.Path(path_type=Path), help="Shard store (zarr) on NVMe."
@@ -107,7 +107,7 @@ def extract(
     sys.exit(run_extract(opts))
 
 
-@click.command()
+@click.command(short_help="Train the drafter on the shards extract writes.")
 @click.option("--manifest", "manifest_dir", required=True, help=MANIFEST_HELP)
 @click.option(
     "--store",
@@ -230,8 +230,10 @@ def train(
 ):
     """Train the drafter from the shards extract writes (or replay a kept store).
 
-    With --nproc N this process becomes torchrun (exec: the same pid) and its N ranks die with it,
-    even by ``kill -9`` (torchrun starts each rank in its own session: see :func:`die_with_torchrun`)."""
+    With --nproc N this process becomes torchrun (the same pid), and its N ranks stop with it, even
+    on kill -9.
+    """
+    # (torchrun starts each rank in its own session: dflash_staged.cli.torchrun.die_with_torchrun)
     import os
 
     if "WORLD_SIZE" not in os.environ:
@@ -290,7 +292,7 @@ def train(
     sys.exit(code)
 
 
-@click.command()
+@click.command(short_help="Answer the prompts with the target: the data to train on.")
 @click.option(
     "--prompts",
     "prompts_path",
@@ -323,9 +325,19 @@ def train(
     help="0 = greedy; > 0 samples.",
 )
 @click.option(
-    "--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True
+    "--top-p",
+    type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Nucleus sampling at --temperature > 0 (1 = off).",
 )
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Conversations answered together in one batch (grouped by length).",
+)
 @click.option(
     "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the sampling."
 )

@@ -8,6 +8,7 @@ Everything that shaped the plan and the stored shards stays as planned: ``train`
 from __future__ import annotations
 
 from dataclasses import fields
+from difflib import get_close_matches
 from typing import Any
 
 from dflash_staged.config.loading import config_from_dict, tomllib
@@ -50,7 +51,14 @@ def apply_overrides(
     """Return a copy of cfg with section.key values replaced; refuse keys outside `allowed`."""
     raw = cfg.to_dict()
     for section, kv in overrides.items():
+        if section not in raw:
+            raise ConfigError(f"--set {section}.*: no section [{section}]; the sections: {', '.join(raw)}")
         for key, value in kv.items():
+            if key not in raw[section]:
+                near = get_close_matches(key, list(raw[section]), n=1)
+                keys = ", ".join(raw[section])
+                hint = f"did you mean {section}.{near[0]}?" if near else f"its keys: {keys}"
+                raise ConfigError(f"--set {section}.{key}: [{section}] has no setting {key!r}; {hint}")
             if key not in allowed.get(section, set()):
                 raise ConfigError(
                     f"{section}.{key} cannot be changed for {what}: it is fixed by the "

@@ -21,7 +21,7 @@ def plot_eval(report: dict, path: str | Path) -> Path:
         raise DflashError("--plot needs matplotlib: pip install matplotlib (or the dev/demo extra)") from None
     path = Path(path)
     runs = report.get("runs") or [report]
-    B = report["block_size"]
+    B = len(report["accept_length_histogram"])  # drafts a step + 1: tau's ceiling
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
     width = 0.8 / len(runs)
     taus = []

@@ -1,8 +1,9 @@
 """The prompts ``dflash eval`` decodes: JSONL lines of chat messages or token ids.
 
-A ``{"messages": [...]}`` line is rendered with the target's chat template and the generation
-prompt, after dropping trailing assistant turns (a reference answer); an ``{"input_ids": [...]}``
-line is used as it is. Bad lines are errors naming ``file:line`` and the field.
+A ``{"messages": [...]}`` line (or ShareGPT's ``{"conversations": [{"from", "value"}]}``, read as
+``dflash plan`` reads it) is rendered with the target's chat template and the generation prompt, after
+dropping trailing assistant turns (a reference answer); an ``{"input_ids": [...]}`` line is used as
+it is. Bad lines are errors naming ``file:line`` and the field.
 
 The chat template's options (:class:`~dflash_staged.chat.ChatOptions`) are those the
 training data was rendered with, so training and evaluation render alike
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from dflash_staged.chat import ChatOptions
 from dflash_staged.config import load_config
-from dflash_staged.errors import DflashError
+from dflash_staged.errors import BadRecord, DflashError
+from dflash_staged.plan.records import parse_conversations, parse_messages
 
 
 def chat_options(
@@ -34,12 +36,20 @@ def chat_options(
             f"{state}: cannot read the checkpoint's trainer state ({e}); give a complete checkpoint"
         ) from None
     if rec is not None:
-        chat, source = ChatOptions.from_record(rec), f"recorded in {state}"
+        chat, source = ChatOptions.from_record(rec), f"the checkpoint's record, {state}"
     elif target_spec.endswith(".toml"):
         chat, source = ChatOptions.from_config(load_config(target_spec).data), f"[data] of {target_spec}"
     else:
-        chat, source = ChatOptions(), "the tokenizer's defaults"
+        chat, source = ChatOptions(), "the tokenizer's defaults (the checkpoint records none)"
     return chat, source + chat.override(kwargs, template)
+
+
+def chat_line(template: str | None, kwargs: dict, source: str) -> str:
+    """The report's line on how the prompts were rendered, e.g. ``chat template: the tokenizer's;
+    options: none (from the checkpoint's record, run/step-8/trainer_state.json)``."""
+    template = template or "the tokenizer's"
+    options = json.dumps(kwargs) if kwargs else "none"
+    return f"chat template: {template}; options: {options} (from {source})"
 
 
 def _prompt_error(path, line: int, field: str, msg: str) -> DflashError:
@@ -72,8 +82,8 @@ def load_prompts(
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise _prompt_error(path, no, "line", f"invalid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not ({"messages", "input_ids"} & obj.keys()):
-            raise _prompt_error(path, no, "line", "no messages or input_ids field")
+        if not isinstance(obj, dict) or not ({"messages", "conversations", "input_ids"} & obj.keys()):
+            raise _prompt_error(path, no, "line", "no messages, conversations or input_ids field")
         if "input_ids" in obj:
             ids = obj["input_ids"]
             if (
@@ -90,19 +100,16 @@ def load_prompts(
                     "input_ids",
                     f"token id {bad[0]} is outside the target vocabulary 0..{vocab_size - 1}",
                 )
-        else:
-            msgs = obj["messages"]
-            if not isinstance(msgs, list) or not msgs:
-                raise _prompt_error(
-                    path, no, "messages", "expected a non-empty list of {role, content} objects"
+        else:  # messages, or ShareGPT conversations (from/value), read as plan reads them
+            try:
+                msgs = (
+                    parse_messages(obj["messages"])
+                    if "messages" in obj
+                    else parse_conversations(obj["conversations"], obj.get("system"))
                 )
-            for i, m in enumerate(msgs):
-                if (
-                    not isinstance(m, dict)
-                    or not isinstance(m.get("role"), str)
-                    or not isinstance(m.get("content"), str)
-                ):
-                    raise _prompt_error(path, no, f"messages[{i}]", 'expected {"role": str, "content": str}')
+            except BadRecord as e:
+                raise _prompt_error(path, no, e.field, str(e)) from None
+            msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
             while msgs and msgs[-1]["role"] == "assistant":
                 msgs = msgs[:-1]
             if not msgs:

@@ -15,6 +15,11 @@ rejection sampler is lossless by construction and tested so). With several setti
 top level is the first run and ``runs`` lists every run (``dflash eval --temperature 0,1``: greedy
 and T=1 tau from one load of the models).
 
+Each run's ``block_size`` is the drafter's (its ``config.json``'s) and ``drafts_per_step`` the drafts
+one verify step checks: ``block_size - 1`` for DFlash's block (the anchor, then the drafts), all
+``block_size`` for DSpark's (every row a draft, as DeepSpec and vLLM count it); tau is at most
+``drafts_per_step + 1``, and the histogram has that many bins.
+
 Each run's ``per_prompt`` gives, for each prompt, its line, lengths, tau and timings, the new tokens
 (``tokens``) and the tokens each verify step committed (``accepted``): ``dflash serve eval --compare``
 holds a served drafter to them step by step.
@@ -47,7 +52,7 @@ from pathlib import Path
 import torch
 
 from dflash_staged.errors import DflashError
-from dflash_staged.evaluate.prompts import chat_options, load_prompts
+from dflash_staged.evaluate.prompts import chat_line, chat_options, load_prompts
 from dflash_staged.evaluate.sampling import Sampler, SamplingSettings, label_of
 from dflash_staged.evaluate.speculative import (
     DrafterProposer,
@@ -95,8 +100,10 @@ def run_eval(
     from dflash_staged.model.drafters.weights import load_drafter, read_drafter_config
     from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids
     from dflash_staged.model.target.dims import target_dims
+    from dflash_staged.preflight import device as preflight_device
     from dflash_staged.train.checkpoint import resolve_checkpoint
 
+    preflight_device(device)  # before any prompt is read or model loaded
     ckpt = resolve_checkpoint(drafter_path, "--drafter")
     dcfg = read_drafter_config(ckpt)
     tcfg = target_from_spec(target_spec)
@@ -123,11 +130,7 @@ def run_eval(
     prompts = load_prompts(
         prompts_path, tokenizer, vocab, limit, chat
     )  # bad lines fail before the model loads
-    _say(
-        f"chat template {chat.template_path or '(the tokenizer template)'} with {chat.kwargs}, from "
-        f"{chat_source}",
-        quiet,
-    )
+    _say(chat_line(chat.template_path, chat.kwargs, chat_source), quiet)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     target = load_target(tcfg, device, layer_ids=list(dcfg.target_layer_ids))
@@ -236,7 +239,8 @@ def _decode_all(
     run = {
         **acceptance_stats(accepted_all, block),
         "sampling": settings.describe(),
-        "block_size": block,
+        "block_size": getattr(proposer, "drafter_block_size", block),
+        "drafts_per_step": block - 1,
         "architecture": proposer.family.name if hasattr(proposer, "family") else None,
         "verified_per_step": sum(verified_all) / len(verified_all) if verified_all else 0.0,
         "tau_per_prompt_mean": sum(prompt_taus) / len(prompt_taus) if prompt_taus else 0.0,
@@ -267,7 +271,8 @@ def _format_run(r: dict) -> list[str]:
     label = label_of(r.get("sampling"))
     lines = [
         f"{label}: tau {r['tau_per_prompt_mean']:.3f} (mean over prompts of each prompt's mean, as the "
-        f"reference reports it); pooled over all steps {r['tau_pooled']:.3f} (block {r['block_size']}, "
+        f"reference reports it); pooled over all steps {r['tau_pooled']:.3f} (block {r['block_size']}: "
+        f"{r['drafts_per_step']} drafts a step, "
         f"{r['steps']} verify steps, {r['prompts']} prompts, max {r['max_new_tokens']} new tokens; "
         f"{r.get('verified_per_step', 0):.2f} tokens verified a step)",
         "per-position acceptance: " + " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
@@ -294,8 +299,5 @@ def format_report(r: dict) -> str:
     """A few human-readable lines: per sampling setting, then the chat template."""
     lines = [x for run in r.get("runs") or [r] for x in _format_run(run)]
     if r.get("chat"):
-        lines.append(
-            f"chat template {r['chat']['template'] or '(the tokenizer template)'} with "
-            f"{r['chat']['kwargs']}, from {r['chat']['from']}"
-        )
+        lines.append(chat_line(r["chat"]["template"], r["chat"]["kwargs"] or {}, r["chat"]["from"]))
     return "\n".join(lines)

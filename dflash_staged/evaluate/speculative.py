@@ -92,6 +92,7 @@ class DrafterProposer:
         self.drafter = drafter.eval()
         self.family = drafter.family
         self.block_size = drafter.proposals + 1  # the verified block: the anchor and every proposal
+        self.drafter_block_size = drafter.block_size  # the drafter's own (DSpark's: its proposals)
         self.sized = drafter.first_row == 1
         self.device = drafter.fc.weight.device
         self.kv_cache = kv_cache

@@ -54,6 +54,7 @@ from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.balance import PUBLISH_S, SIDES, Tally, format_balance, shares
 from dflash_staged.manifest.layout import node_of, settle_layout, unwanted_on
 from dflash_staged.manifest.window import WindowSettings
+from dflash_staged.preflight import writable_dir
 from dflash_staged.procs import my_identity
 from dflash_staged.store import ShardStore
 
@@ -122,9 +123,15 @@ def shard_bytes_max(m: Manifest, opts: ExtractOptions) -> int:
     return max((j.real_tokens for j in m.jobs()), default=0) * bpt
 
 
+# How long the window may stay full with no trainer alive before extract says so (the environment variable
+# is for tests).
+NO_TRAINER_SAY_S = float(os.environ.get("DFLASH_NO_TRAINER_SAY_S", "120"))
+
+
 def run_extract(opts: ExtractOptions) -> int:
     """Start one worker per device (or per group of ``--tp`` devices), supervise them, show progress;
     return the exit code."""
+    writable_dir(opts.store, "--store")  # a file, or a disk it cannot write: one line, before any worker
     opts.trainer_deadline = time.time() + (TRAINER_COMING_S if opts.trainer_coming else TRAINER_GRACE_S)
     m = Manifest.open(opts.manifest)
     opts.node = node_of(settle_layout(m, opts.node_local, "dflash extract"))
@@ -229,6 +236,7 @@ class ExtractSupervisor:
         total = sum(m.counts().values())
         t0, tokens0 = time.time(), m.progress()["tokens"]["extracted"]
         progress = Progress("extract", total)
+        full_since, said = None, False  # the window full with no trainer alive to drain it: since when
         while True:
             self._drain_status()
             for w in self.workers:
@@ -239,7 +247,21 @@ class ExtractSupervisor:
             c, prog, win = m.counts(), m.progress(), m.window()
             done = total - prog["jobs"]["to_extract"] - c["failed"]
             rate = (prog["tokens"]["extracted"] - tokens0) / max(1e-9, time.time() - t0)
-            wait = "waiting: window full" if win["shards"] >= opts.window and c["pending"] else "working"
+            full = win["shards"] >= opts.window and c["pending"]
+            wait = "waiting: window full" if full else "working"
+            if full and not m.live_procs("train"):
+                full_since = full_since or time.time()
+                if not said and time.time() - full_since >= NO_TRAINER_SAY_S:
+                    said = True
+                    click.echo(
+                        f"extract: the window has been full for {time.time() - full_since:.0f} s and no "
+                        f"trainer is running on {m.address}, so nothing drains it: start `dflash train "
+                        f"--manifest {m.address} --store {opts.store} --out RUN` (or stop this with Ctrl-C; "
+                        "rerunning it resumes)",
+                        err=True,
+                    )
+            else:
+                full_since, said = None, False
             fig = self._publish()
             recent = shares(fig["recent"])
             idle = (

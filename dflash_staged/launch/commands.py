@@ -1,7 +1,8 @@
 """``dflash pipeline`` and ``dflash node``: plan if needed, then extract and train side by side.
 
 ``bin/pipeline`` and ``bin/node`` are thin wrappers over these two commands. ``dflash node --split
-auto`` measures the node before choosing its split: :mod:`dflash_staged.launch.probe`.
+auto`` measures the node before choosing its split: :mod:`dflash_staged.launch.probe`. The layouts and
+the probe are imported when a command runs, so that ``--help`` imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from pathlib import Path
 import click
 
 from dflash_staged.errors import user_errors
-from dflash_staged.launch.probe import PROBE_JOBS, auto_node_layout
-from dflash_staged.launch.processes import DEFAULT_TARGET_TOK_S, node_layout, pipeline_layout
 from dflash_staged.sizes import ByteSize
+
+PROBE_JOBS = 8  # jobs the extract probe of --split auto writes (--probe-jobs)
 
 
 def _common(fn):
@@ -44,8 +45,20 @@ def _common(fn):
             default=None,
             help="Manifest address instead of WORKDIR/manifest, e.g. postgresql://USER@HOST:PORT/DB#NAME.",
         ),
-        click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True),
-        click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
+        click.option(
+            "--epochs",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Epochs to plan (as for dflash plan).",
+        ),
+        click.option(
+            "--seed",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help="Seed of the job order (as for dflash plan).",
+        ),
         click.option(
             "--window",
             type=click.IntRange(min=1),
@@ -134,26 +147,31 @@ _CTX = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 
 def _launch(layout_of, o: dict) -> None:
     """Build the layout from the command's options (named as ``layout_of``'s parameters), run it, exit."""
+    from dflash_staged.preflight import writable_dir
+
     run = {k: o.pop(k) for k in ("status_every", "summary_json", "dry_run")}
+    writable_dir(o["workdir"], "--workdir")  # one line before anything starts, not a child's traceback
     layout = layout_of(o.pop("config"), o.pop("data"), o.pop("workdir"), **o)
     sys.exit(_run_layout(layout, **run))
 
 
-@click.command(context_settings=_CTX)
+@click.command(context_settings=_CTX, short_help="Plan, then extract and train side by side on one host.")
 @_common
 @click.option(
     "--devices", default="cpu", show_default=True, help="Extract workers: cpu, cpu,cpu or cuda:0,..."
 )
 @user_errors
 def pipeline(**o):
-    """Plan if needed, then extract on --devices and train, side by side.
+    """One host: plan if needed, then extract on --devices and train, side by side.
 
-    Arguments after the options (e.g. `-- --max-steps 100 --set train.lr=1e-3`) go to `dflash train`.
+    Arguments after the options (e.g. -- --max-steps 100 --set train.lr=1e-3) go to dflash train.
     """
+    from dflash_staged.launch.processes import pipeline_layout
+
     _launch(pipeline_layout, o)
 
 
-@click.command(context_settings=_CTX)
+@click.command(context_settings=_CTX, short_help="Plan, then extract and train side by side on a GPU node.")
 @_common
 @click.option(
     "--extract-gpus",
@@ -226,7 +244,13 @@ def pipeline(**o):
     help="This node's rank (0 plans).",
 )
 @click.option("--master-addr", default=None, help="With --nnodes > 1: node 0's address (torchrun's).")
-@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True)
+@click.option(
+    "--master-port",
+    type=click.IntRange(1, 65535),
+    default=29500,
+    show_default=True,
+    help="With --nnodes > 1: the port of node 0's rendezvous (torchrun's).",
+)
 @click.option(
     "--node-local",
     is_flag=True,
@@ -235,12 +259,18 @@ def pipeline(**o):
 )
 @user_errors
 def node(**o):
-    """One GPU node: extract on --extract-gpus, train under torchrun on --train-gpus, side by side;
-    or --split auto: measure both on this node and choose the split.
+    """One GPU node: plan if needed, then extract and train (under torchrun) side by side.
 
-    Arguments after the options (e.g. `-- --max-steps 100`) go to `dflash train`.
+    \b
+    Give the split, or let the node measure it:
+      --extract-gpus 0-3 --train-gpus 4-7   extract on 0-3, train on 4-7
+      --split auto                          measure both here, then choose
+
+    Arguments after the options (e.g. -- --max-steps 100) go to dflash train.
     """
     from dflash_staged.launch.elastic import parse_nnodes
+    from dflash_staged.launch.probe import auto_node_layout
+    from dflash_staged.launch.processes import DEFAULT_TARGET_TOK_S, node_layout
 
     o["nnodes_min"], o["nnodes"] = parse_nnodes(o["nnodes"])
     split, devices = o.pop("split"), o.pop("devices")

@@ -8,6 +8,7 @@ status line over the last minute, the summary over each side's last minute and i
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -97,9 +98,31 @@ class Monitor:
             self.m.close()
 
 
+def ended(child) -> str:
+    """How a child ended, for the summary: a child its supervisor stopped and that exited on that
+    signal stopped cleanly (train checkpointed); anything else is its exit code."""
+    code = child.exit_code()
+    clean = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
+    if getattr(child, "stopped", False) and code in clean:
+        return "stopped cleanly"
+    return f"exit {code}"
+
+
 def summary(
-    say, mon: Monitor, code: int, plan_s: float, ex, tr, total_s: float, summary_path: Path | None
+    say,
+    mon: Monitor,
+    code: int,
+    plan_s: float,
+    ex,
+    tr,
+    total_s: float,
+    summary_path: Path | None,
+    balance: bool = True,
+    stopped: bool = False,
 ) -> dict:
+    """The launcher's closing lines (and ``summary_path``'s JSON); ``balance``: with both sides' time
+    lines (False when extract has printed them already); ``stopped``: the launcher was stopped by a
+    signal (a clean stop: said so, never read as a crash)."""
     mon._next_sample = 0.0
     mon.sample_store()
     st = mon.status() or {}
@@ -127,9 +150,10 @@ def summary(
         "run_dir": str(mon.run_dir) if mon.run_dir else None,
         "balance": st.get("balance"),
     }
+    head = f"stopped cleanly (exit {code}); rerun the same command to resume" if stopped else f"exit {code}"
     say(
-        f"summary: exit {code} | plan {plan_s:.1f} s, extract {ex.seconds():.1f} s (exit {ex.exit_code()}), "
-        f"train {tr.seconds():.1f} s (exit {tr.exit_code()}), total {total_s:.1f} s"
+        f"summary: {head} | plan {plan_s:.1f} s, extract {ex.seconds():.1f} s ({ended(ex)}), "
+        f"train {tr.seconds():.1f} s ({ended(tr)}), total {total_s:.1f} s"
     )
     if st:
         jobs = ", ".join(f"{k} {n}" for k, n in st["jobs"].items() if n)
@@ -138,7 +162,7 @@ def summary(
             f"{s['tokens_trained']:,} | peak store {human(mon.peak_store)} ({mon.peak_store:,} B), peak "
             f"window {mon.peak_window['shards']} shards"
         )
-    for line in format_balance(st.get("balance")):
+    for line in format_balance(st.get("balance")) if balance else []:
         say(line)
     if steps:
         say(

@@ -65,7 +65,6 @@ from dflash_staged.launch.processes import (
 )
 from dflash_staged.launch.supervise import PY
 
-PROBE_JOBS = 8  # jobs the extract probe writes (--probe-jobs)
 MEASURE_S = 120.0  # the extract probe stops this long after its first job at the latest
 FIRST_JOB_S = 3600.0  # ... and fails when no job is written this long after its start
 STALL_S = 5.0  # no new job for max(this, 4 x the mean interval): the window is full

@@ -45,6 +45,9 @@ from dflash_staged.launch.monitor import Monitor, summary
 
 POLL_S = 0.2
 PY = sys.executable
+# The last of the time lines `dflash extract` closes with (manifest.balance.format_balance): once extract
+# has printed them, the summary does not print the same four lines again.
+EXTRACT_BALANCE = "extract: bottleneck (whole run): "
 
 
 @dataclass
@@ -116,6 +119,8 @@ def run_side_by_side(
                 tr_child,
                 time.monotonic() - t_start,
                 summary_path,
+                balance=not launch.extract_said_balance,
+                stopped=bool(launch.children.signals),
             )
             return code
         finally:
@@ -136,6 +141,7 @@ class _Launch:
         self.children = Children(lambda: list(self.running.values()))
         self.mon: Monitor | None = None
         self.signals_said = 0
+        self.extract_said_balance = False  # extract printed its closing time lines
 
     def say(self, text: str, who: str = "launch") -> None:
         with self.lock:
@@ -158,7 +164,13 @@ class _Launch:
 
     def start(self, proc: Proc) -> CommandChild:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
-        c = CommandChild(proc.name, proc.cmd, env, lambda line: self.say(line, proc.name))
+
+        def relay(line: str) -> None:
+            if proc.name == "extract" and line.startswith(EXTRACT_BALANCE):
+                self.extract_said_balance = True
+            self.say(line, proc.name)
+
+        c = CommandChild(proc.name, proc.cmd, env, relay)
         self.running[proc.name] = c
         return c
 

@@ -43,6 +43,10 @@ host), into what ``dflash status --json`` shows as ``balance``; :func:`format_ba
   a trainer that never waited, e.g. a plan smaller than the window): **training is the bottleneck**;
 * otherwise: **balanced**.
 
+A verdict against training with no trainer running and jobs left to train (the trainer was stopped or
+died, and extract waits for one) names no split: extract's waits then say nothing of the trainer's
+speed, so the text says to start ``dflash train`` instead.
+
 With both waiting at least :data:`WAITS`, the text also says that the window is too small for the
 pipeline's jitter (``--window``, or ``train.checkpoint_every``: consumed shards leave the window only
 at a checkpoint).
@@ -211,11 +215,14 @@ def _combine(figures: list[dict], kinds: tuple[str, ...], live: bool, now: float
     }
 
 
-def collect(procs: Iterable[Any], finished: Mapping[str, list[dict]], now: float) -> dict[str, Any]:
+def collect(
+    procs: Iterable[Any], finished: Mapping[str, list[dict]], now: float, train_left: int = 0
+) -> dict[str, Any]:
     """``status()["balance"]``: per side (``extract``, ``train``) its summed figures or None, and the
     verdict over each interval (``verdict``: ``{"recent": ..., "total": ...}``). ``procs``: the live
     registrations (:class:`~dflash_staged.manifest.states.Proc`); ``finished``: per role, the final
-    figures of the ``balance:<role>`` events, oldest first; ``now``: unix time."""
+    figures of the ``balance:<role>`` events, oldest first; ``now``: unix time; ``train_left``: the
+    jobs not trained yet (with no live trainer, a verdict against training advises no split)."""
     out: dict[str, Any] = {}
     for role, kinds in SIDES.items():
         live = [
@@ -233,7 +240,21 @@ def collect(procs: Iterable[Any], finished: Mapping[str, list[dict]], now: float
         )
         for span in ("recent", "total")
     }
+    if tr and not tr["live"] and train_left > 0:
+        for span, v in out["verdict"].items():
+            if v["bottleneck"] == "train":
+                out["verdict"][span] = _trainer_gone(train_left)
     return out
+
+
+def _trainer_gone(train_left: int) -> dict[str, Any]:
+    return {
+        "bottleneck": None,
+        "text": f"no trainer is running and {train_left} job(s) are left to train: extract waits for one, "
+        "which says nothing of the split; start `dflash train` (the same command resumes) to go on",
+        "split": None,
+        "gain": None,
+    }
 
 
 def by_node(

@@ -17,7 +17,7 @@ from typing import Any
 
 from dflash_staged.manifest.balance import SIDES, by_node, collect, node_imbalance
 from dflash_staged.manifest.layout import KEY as LAYOUT_KEY
-from dflash_staged.manifest.states import STATES, NoSuchJobError, group_counts
+from dflash_staged.manifest.states import STATES, TRAINED, NoSuchJobError, group_counts
 
 
 class SharedQueries:
@@ -69,10 +69,15 @@ class SharedQueries:
                     continue
         return finished
 
-    def balance(self, procs=None) -> dict[str, Any]:
+    def balance(self, procs=None, counts=None) -> dict[str, Any]:
         """Both sides' busy and idle figures and the bottleneck (:func:`.balance.collect`), from the live
-        registrations (``procs``, by default read now) or the last runs' final figures."""
-        return collect(self.live_procs() if procs is None else procs, self._finished_figures(), time.time())
+        registrations (``procs``, by default read now) or the last runs' final figures; ``counts``: jobs
+        per state (by default read now), for the jobs left to train."""
+        counts = self.counts() if counts is None else counts
+        left = sum(counts.get(s, 0) for s in STATES if s not in TRAINED and s != "failed")
+        return collect(
+            self.live_procs() if procs is None else procs, self._finished_figures(), time.time(), left
+        )
 
     def nodes(self, procs=None) -> dict[str, Any] | None:
         """Node-local stores (:mod:`.layout`): per node its window, its shards ready for its ranks and its
@@ -110,7 +115,7 @@ class SharedQueries:
             "failed": [{"id": j.id, "error": e} for j, e in self.failed_errors()],
             "processes": [{"role": p.role, "host": p.host, "pid": p.pid, "rank": p.rank} for p in procs],
             "hosts": self.hosts(),
-            "balance": self.balance(procs),
+            "balance": self.balance(procs, counts),
             "nodes": self.nodes(procs),
         }
 

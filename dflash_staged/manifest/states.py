@@ -63,6 +63,12 @@ class ManifestError(DflashError):
     """The manifest is missing, inconsistent or refuses an operation."""
 
 
+def plan_it_first(address: str) -> str:
+    """The fix for a manifest that does not exist: the ``dflash plan`` that creates it, with the options it
+    requires."""
+    return f"run `dflash plan --config CONFIG.toml --data DATA --manifest {address}` first"
+
+
 class NoSuchJobError(ManifestError):
     """The manifest has no job of that id."""
 

@@ -10,7 +10,7 @@ from dflash_staged.plan.batching import Plan, make_plan
 def plan_manifest(
     config_path: str | Path,
     data_path: str | Path,
-    manifest_dir: str | Path | None = None,
+    manifest_dir: str | Path,
     *,
     epochs: int = 1,
     seed: int = 0,
@@ -22,24 +22,23 @@ def plan_manifest(
     Everything is computed in memory first, so a failing ingestion writes nothing.
     """
     from dflash_staged.chat import ChatOptions
-    from dflash_staged.config import ConfigError, load_config
+    from dflash_staged.config import load_config
     from dflash_staged.manifest import Manifest
     from dflash_staged.model.target import resolve_layer_ids
     from dflash_staged.model.target.dims import target_dims
     from dflash_staged.plan.dataset import load_dataset
+    from dflash_staged.plan.drafter_check import check_drafter
+    from dflash_staged.preflight import writable_dir
 
     cfg = load_config(config_path)
     # An address, not necessarily a path: Path() would fold postgresql:// into a directory "postgresql:".
-    manifest_dir = str(manifest_dir) if manifest_dir else str(Path("manifests") / Path(config_path).stem)
+    manifest_dir = str(manifest_dir)
     existed = Manifest.exists(manifest_dir)  # a bad address fails here, before the data is read
+    if "://" not in manifest_dir:  # a directory (SQLite): one line now if it cannot be written
+        writable_dir(manifest_dir, "--manifest")
     dims = target_dims(cfg.target)
     layer_ids = resolve_layer_ids(cfg.target, dims.num_layers, cfg.drafter.num_hidden_layers)
-    vocab, mask_id = dims.vocab_size, cfg.drafter.mask_token_id
-    if mask_id != -1 and not 0 <= mask_id < vocab:
-        raise ConfigError(
-            f"{config_path}: drafter.mask_token_id={mask_id} is outside the target vocabulary "
-            f"0..{vocab - 1}; use -1 (= len(tokenizer)) or an unused or special id below {vocab}"
-        )
+    notes = check_drafter(cfg, config_path, dims, layer_ids)  # before the data is read or anything written
     chat = ChatOptions.from_config(cfg.data)
     samples, data_hash = load_dataset(data_path, cfg, skip_bad=skip_bad, progress=progress, chat=chat)
     plan = make_plan(samples.lengths(), cfg, epochs, seed)
@@ -66,7 +65,12 @@ def plan_manifest(
         samples, plan, str(data_path), cfg.data.max_len, cfg.min_loss_tokens, layer_ids
     )
     return (
-        head + "\n" + summary + "\n  " + store_line(cfg, dims.hidden_size, len(layer_ids), plan.tokens_real)
+        head
+        + "".join(f"\n  note: {n}" for n in notes)
+        + "\n"
+        + summary
+        + "\n  "
+        + store_line(cfg, dims.hidden_size, len(layer_ids), plan.tokens_real)
     )
 
 
@@ -81,12 +85,12 @@ def format_plan_summary(
     if st.get("skipped_long"):
         skipped.append(f"{st['skipped_long']:,} longer than max_len {max_len}")
     if st.get("skipped_short_loss"):
-        skipped.append(f"{st['skipped_short_loss']:,} with < {min_loss} loss tokens")
+        skipped.append(f"{st['skipped_short_loss']:,} with < {min_loss} loss tokens (data.min_loss_tokens)")
     lines.append(
         f"  skipped: {', '.join(skipped) or 'none'}"
         + (f"; truncated to {max_len}: {st['truncated']:,}" if st.get("truncated") else "")
     )
-    for ex in getattr(samples, "bad_examples", [])[:3]:
+    for ex in getattr(samples, "bad_examples", [])[:3] + getattr(samples, "short_examples", [])[:3]:
         lines.append(f"    e.g. {ex}")
     if st.get("off_prompt"):
         from dflash_staged.chat import off_prompt_warning

@@ -52,6 +52,7 @@ class Samples:
     # off_prompt (if any): conversations whose last assistant turn does not continue the generation prompt
     stats: dict = field(default_factory=dict)
     bad_examples: list[str] = field(default_factory=list)  # first few bad-record messages (with skip_bad)
+    short_examples: list[str] = field(default_factory=list)  # first few records skipped for few loss tokens
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -128,6 +129,7 @@ def load_dataset(
     min_loss = cfg.min_loss_tokens
     stats = dict(lines=0, samples=0, bad=0, truncated=0, skipped_long=0, skipped_short_loss=0)
     bad_examples: list[str] = []
+    short_examples: list[str] = []
     kinds: Counter = Counter()
     ids_acc, mask_acc = _Chunks(np.int32), _Chunks(np.uint8)
     lens, lines = array("q"), array("q")
@@ -160,12 +162,17 @@ def load_dataset(
                 stats["truncated"] += 1
             if int(mask.sum()) < min_loss:
                 stats["skipped_short_loss"] += 1
+                if len(short_examples) < 5:
+                    k = int(mask.sum())
+                    why = " (no assistant turn to learn from)" if k == 0 and kind != "input_ids" else ""
+                    short_examples.append(f"{src.where(n)}: {k} loss token(s){why}")
                 continue
             ids_acc.add(ids)
             mask_acc.add(mask)
             lens.append(len(ids))
             lines.append(base + n)
         base += last
+    stats["last_record"] = base  # the number of the last line or row read (data show: past the end)
     bar.close()
     stats["samples"] = len(lens)
     stats["format"] = _format_name(srcs, kinds)
@@ -192,5 +199,6 @@ def load_dataset(
         lines=np.frombuffer(lines, dtype=np.int64).copy(),
         stats=stats,
         bad_examples=bad_examples,
+        short_examples=short_examples,
     )
     return samples, digest

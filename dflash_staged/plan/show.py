@@ -72,6 +72,7 @@ def show_data(
         "store": _store(cfg, int(lengths.sum())),
         "stats": samples.stats,
         "bad_examples": samples.bad_examples,
+        "short_examples": samples.short_examples,
         "max_len": cfg.data.max_len,
         "min_loss": cfg.min_loss_tokens,
         "chat": {"kwargs": chat.kwargs, "template": chat.template_path or None},
@@ -112,7 +113,7 @@ def summary_lines(r: dict) -> list[str]:
         for k, what in (
             ("bad", "bad"),
             ("skipped_long", f"longer than {r['max_len']}"),
-            ("skipped_short_loss", f"with < {r['min_loss']} loss tokens"),
+            ("skipped_short_loss", f"with < {r['min_loss']} loss tokens (data.min_loss_tokens)"),
         )
         if st.get(k)
     ]
@@ -131,7 +132,7 @@ def summary_lines(r: dict) -> list[str]:
         ),
     ]
     out += [r["store"]] if r.get("store") else []
-    out += [f"  e.g. {ex}" for ex in r["bad_examples"][:3]]
+    out += [f"  e.g. {ex}" for ex in r["bad_examples"][:3] + r.get("short_examples", [])[:3]]
     if st.get("off_prompt"):
         from dflash_staged.chat import off_prompt_warning
 

@@ -15,6 +15,7 @@ from dflash_staged.config import REPLAY_OVERRIDABLE, Config, apply_overrides
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.window import WindowSettings
+from dflash_staged.preflight import device as preflight_device
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
 from dflash_staged.train.options import TrainOptions
@@ -30,6 +31,7 @@ def pick_device(name: str | None) -> torch.device:
     the caching allocator gets expandable segments (less fragmentation across microbatches of varied
     shapes) unless ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` is set: before the first
     allocation, which is when the allocator reads it."""
+    preflight_device(name)  # one line for a device that is not one, or not here
     device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
@@ -55,6 +57,16 @@ def check_window(m: Manifest, cfg: Config, ranks: int) -> None:
         raise DflashError(f"{m.address}: extract runs with {err}")
     if warn:
         print(f"train: warning: {warn}", file=sys.stderr, flush=True)
+
+
+def check_replay(m: Manifest, opts: TrainOptions) -> None:
+    """``--replay`` needs the store and shards the live run kept: refused at once otherwise."""
+    if not ShardStore.exists(opts.store):
+        raise DflashError(f"replay: no store at {opts.store}; give the store the live run kept (--store)")
+    if not m.counts().get("kept"):
+        raise DflashError(
+            f"replay: {m.address} has no kept shards to replay; run the live trainer with --keep-shards first"
+        )
 
 
 def wait_for_store(opts: TrainOptions, m: Manifest) -> ShardStore:

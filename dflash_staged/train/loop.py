@@ -33,6 +33,7 @@ from dflash_staged.train.objective import (
     target_metrics,
     training_tau,
 )
+from dflash_staged.train.summary import signal_name
 from dflash_staged.train.trainer import Trainer
 
 NONFINITE_STOP = 8  # steps in a row whose loss or gradient is not finite (each skipped) stop the run
@@ -224,6 +225,7 @@ def train_loop(t: Trainer) -> int:
     """The training loop; returns the exit code."""
     cfg, dist = t.cfg, t.dist
     stop, idle, nonfinite, budget = StopRequested(), BusyIdle(t), 0, TimeBudget(t)
+    t.outcome = None
     while not (t.opts.max_steps and t.step >= t.opts.max_steps):
         if budget.over():
             print(
@@ -232,6 +234,7 @@ def train_loop(t: Trainer) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+            t.outcome = ("stopped", f"at the time budget of {budget.seconds:g} s", "rerun to go on")
             break
         # ---- data: this step's shards (may wait, all ranks together; never holding unreleased shards) --
         # Between collectives, branch only on values every rank agreed on: a stop signal may reach
@@ -292,5 +295,12 @@ def train_loop(t: Trainer) -> int:
     t.checkpoint_and_release()
     idle.publish(final=True)
     if stopping:
-        return 128 + (stop.signum or signal.SIGTERM)
-    return t.source.final_status()
+        signum = stop.signum or signal.SIGTERM
+        t.outcome = ("stopped", f"by {signal_name(signum)}", "rerun the same command to resume")
+        return 128 + signum
+    if t.outcome is None and t.opts.max_steps and t.step >= t.opts.max_steps:
+        t.outcome = ("stopped", f"at --max-steps {t.opts.max_steps}", "rerun with more --max-steps to go on")
+    code = t.source.final_status()
+    if t.outcome is None and code == 0:
+        t.outcome = ("done",)
+    return code

@@ -12,7 +12,6 @@ the step's gradients by the step's total weight (see :mod:`dflash_staged.train.o
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +24,7 @@ from dflash_staged.model.drafters.backbone import DFlashDrafter
 from dflash_staged.model.drafters.engines import check_servable
 from dflash_staged.model.drafters.flex import resolve_attention
 from dflash_staged.model.drafters.weights import write_drafter_files
+from dflash_staged.model.run_drafter import distribution_problem, run_drafter_config
 from dflash_staged.model.target.weights import load_final_norm
 from dflash_staged.store import ShardStore
 from dflash_staged.store.fp8 import dequantize
@@ -198,7 +198,6 @@ def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> tor
         )
     if meta.last_layer is not None:
         return load_final_norm(cfg.target, device)
-    wanted = fam.needs_target or cfg.train.needs_target
     if meta.topk:
         if not meta.topk_tail:
             print(
@@ -222,27 +221,20 @@ def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> tor
                 f"{ts:g}"
             )
         return None
-    if fam.needs_target:
-        raise DflashError(
-            f"drafter.architecture = {fam.name!r} learns from the target's own distribution, which needs "
-            f"its last layer or its top-k in the store, and store {store.root} was extracted with neither: "
-            "plan with [target] store_last_layer = true or [target] store_topk = 64 and extract again"
-        )
-    if wanted:
-        what = ", ".join(cfg.train.target_terms) or "selector_labels = target"
-        raise DflashError(
-            f"train.loss = {cfg.train.loss} ({what}) learns the target's own distribution, which needs its "
-            f"last layer or its top-k in the store, and store {store.root} was extracted with neither: plan "
-            "with [target] store_last_layer = true or [target] store_topk = 64 and extract again, or train "
-            "with loss = { ce = 1.0 }"
-        )
+    where = f"store {store.root} was extracted with neither"
+    why = distribution_problem(cfg, False, 0, where, "plan with {slices} and extract again")
+    if why:
+        raise DflashError(why)
     return None
 
 
-def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_from: Path | None = None):
+def build_drafter(
+    cfg: Config, store: ShardStore, device: torch.device, init_from: Path | None = None, say_init: bool = True
+):
     """A freshly initialised drafter for this target and store, with the frozen embedding and head;
-    ``init_from`` (``--init-from``): start from another run's (or checkpoint's) weights instead."""
-    from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+    ``init_from`` (``--init-from``): start from another run's (or checkpoint's) weights instead;
+    ``say_init``: print how it was initialised (not when a checkpoint's weights will replace them)."""
+    from dflash_staged.model.drafters.backbone import DFlashDrafter
     from dflash_staged.model.drafters.weights import validate_mask_token
     from dflash_staged.model.target import load_tokenizer
     from dflash_staged.model.target.dims import target_dims
@@ -258,27 +250,18 @@ def build_drafter(cfg: Config, store: ShardStore, device: torch.device, init_fro
     embed, head = load_embed_and_head(cfg.target, dtype=embed_dtype, device=device)
     mask_id = validate_mask_token(cfg.drafter.mask_token_id, load_tokenizer(cfg.target), dims.vocab_size)
     from_target = cfg.drafter.init != "random"  # target_top, or auto
-    if from_target and not cfg.drafter.intermediate_size:  # the target's MLP width, so it can be copied
-        from dflash_staged.model.target.dims import target_text_config
-
-        cfg = copy.deepcopy(cfg)
-        cfg.drafter.intermediate_size = int(
-            getattr(target_text_config(cfg.target), "intermediate_size", 0) or 0
-        )
-    dcfg = DraftModelConfig.from_config(
-        cfg, dims.hidden_size, dims.vocab_size, dims.num_layers, list(store.meta.layer_ids), mask_id
-    )
+    dcfg = run_drafter_config(cfg, dims, list(store.meta.layer_ids), mask_id)
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, embed, head)
     if from_target and init_from is None:  # (a warm start replaces every weight anyway)
-        drafter = init_from_target_layers(cfg, drafter, lambda: DFlashDrafter(dcfg, embed, head))
+        drafter = init_from_target_layers(cfg, drafter, lambda: DFlashDrafter(dcfg, embed, head), say_init)
     if init_from is not None:
         src = warm_start(drafter, init_from)
         print(f"train: drafter initialised from {src}", file=sys.stderr, flush=True)
     return drafter.to(device)
 
 
-def init_from_target_layers(cfg: Config, drafter, fresh):
+def init_from_target_layers(cfg: Config, drafter, fresh, say: bool = True):
     """``drafter.init``: target_top copies the target's top layers (or fails, naming the fix); auto
     does so where they fit and otherwise keeps random weights (``fresh()``, same seed), saying why."""
     from dflash_staged.model.drafters.init import init_from_target
@@ -295,11 +278,12 @@ def init_from_target_layers(cfg: Config, drafter, fresh):
             flush=True,
         )
         return fresh()
-    print(
-        f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
-        file=sys.stderr,
-        flush=True,
-    )
+    if say:
+        print(
+            f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
+            file=sys.stderr,
+            flush=True,
+        )
     return drafter
 
 

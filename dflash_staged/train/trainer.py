@@ -26,6 +26,7 @@ from dflash_staged.config import Config
 from dflash_staged.errors import DflashError
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.layout import node_of, settle_layout, unwanted_on
+from dflash_staged.preflight import existing_dir, writable_dir
 from dflash_staged.procs import HOST
 from dflash_staged.store import ShardStore
 from dflash_staged.train import checkpoint as ckpt
@@ -40,6 +41,7 @@ from dflash_staged.train.optim import Optimizer
 from dflash_staged.train.options import TrainOptions
 from dflash_staged.train.progress import Progress
 from dflash_staged.train.sources import LiveSource, ReplaySource
+from dflash_staged.train.summary import end_line, resume_line
 from dflash_staged.train.trained_drafter import DrafterModel, build_drafter, target_norm_for
 
 RUN_KEY = "trainer_run"  # the manifest's record of the run that checkpoints on it: {"host", "out"}
@@ -90,6 +92,7 @@ class Trainer:
     ckpt_copy: bool = False  # this rank writes the checkpoints into its --out (own_checkpoints)
     nodes: list[str] = field(default_factory=list)  # each rank's node, in rank order
     reformed_from: tuple | None = None  # (ranks, nodes) of the checkpoint resumed on another number of ranks
+    outcome: tuple | None = None  # how the loop ended, when cleanly (train.summary.end_line); None: an error
 
     @property
     def device(self) -> torch.device:
@@ -189,6 +192,10 @@ class Trainer:
         with a non-zero code (a stop), and one still closing would be cut short."""
         if self.dist.rank == 0 and self.step > 0:
             self._plot()
+        if self.dist.rank == 0:
+            line = end_line(self.outcome, self.step, ckpt.latest_checkpoint(self.opts.out), self.opts.out)
+            if line:
+                print(line, file=sys.stderr, flush=True)
         self.buffer.close()
         self.ledger.close()
         if not self.opts.replay:
@@ -227,11 +234,16 @@ class Trainer:
 def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | None = None) -> Trainer:
     """Open everything a run needs, resume from the newest checkpoint in ``opts.out`` if any
     (``extra_states``: more checkpointed components, restored after the built-in ones)."""
+    existing_dir(opts.store, "--store")  # before anything is loaded or written
+    writable_dir(opts.out, "--out")
     bound_host_memory()
     device = inputs.pick_device(opts.device)
     dist = Dist(device)
     m = Manifest.open(opts.manifest, readonly=opts.replay)
     cfg = inputs.run_config(m, opts)
+    if opts.replay:
+        inputs.check_replay(m, opts)  # a store with kept shards, before --out is made or a drafter built
+    resuming = ckpt.latest_checkpoint(opts.out) is not None
     opts.out.mkdir(parents=True, exist_ok=True)
     nodes = dist.gather_obj(HOST)  # each rank's node
     # a replay writes nothing: with --node-local it replays this node's kept shards, else every kept shard
@@ -254,7 +266,7 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         # half-deleted shards of a killed trainer, half-written ones of dead workers, stale ones
         store.cleanup_temp(claimed=m.holds_claim, unwanted=unwanted_on(m, node))
     norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
-    drafter = build_drafter(cfg, store, device, opts.init_from)
+    drafter = build_drafter(cfg, store, device, opts.init_from, say_init=not resuming)
     model = DrafterModel(
         drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device), store.meta.topk,
         store.torch_dtype, store.meta.fp8,
@@ -361,6 +373,8 @@ def resume(t: Trainer) -> None:
         refuse_another_run(m, opts.out)
     elif latest is not None:
         ckpt.load_checkpoint(latest).restore(t.states, dist.rank)
+        if dist.rank == 0:
+            print(resume_line(t.step, latest), file=sys.stderr, flush=True)
         record_reformation(t)
     t.ledger.reconcile()
     dist.barrier()

@@ -52,6 +52,7 @@ from dflash_staged.manifest.states import (
     Proc,
     check_format_version,
     plan_identity,
+    plan_it_first,
 )
 
 _IN = lambda states: "(" + ",".join(f"'{s}'" for s in states) + ")"  # noqa: E731
@@ -120,7 +121,7 @@ class PostgresManifest(PgClaims, PgTrainer, Manifest):
             if kind == "none":
                 raise ManifestError(
                     f"no manifest {addr.name!r} in database {addr.db!r} on PostgreSQL server "
-                    f"{addr.server}: run `dflash plan --manifest '{addr.display}'` first (or fix the "
+                    f"{addr.server}: {plan_it_first(repr(addr.display))} (or fix the "
                     "name after '#')"
                 )
             version = s.run(lambda cur, _: one(cur, "SELECT value FROM meta WHERE key='format_version'"))

@@ -1,6 +1,6 @@
 """The SQLite manifest: the embedded backend for one host.
 
-A manifest is a directory (``manifests/<name>/`` by default)::
+A manifest is a directory (``dflash plan --manifest DIR``)::
 
     manifest.db            SQLite database in WAL mode: tables meta, jobs, events, procs
     samples/tokens.npy     int32, every sample's token ids concatenated (after truncation)
@@ -39,6 +39,7 @@ from dflash_staged.manifest.states import (
     Proc,
     TrainerBusyError,
     check_format_version,
+    plan_it_first,
 )
 from dflash_staged.procs import my_identity, pid_alive
 
@@ -93,9 +94,7 @@ class SqliteManifest(SqliteTransitions, Manifest):
         dir = cls._dir(address)
         db = dir / "manifest.db"
         if not db.is_file():
-            raise ManifestError(
-                f"no manifest at {dir} (missing {db.name}); run `dflash plan --manifest {dir}` first"
-            )
+            raise ManifestError(f"no manifest at {dir} (missing {db.name}); {plan_it_first(str(dir))}")
         if not readonly:
             check_local_fs(dir)
         # A path, not a URI: '#' and '?' in a directory name must reach SQLite as they are.

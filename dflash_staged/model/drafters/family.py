@@ -118,8 +118,15 @@ class Family:
                 raise DflashError(
                     f"drafter.options.{k}={v!r}: expected {type(d).__name__} (architecture {self.name!r})"
                 )
+        if dcfg is not None:
+            self.fit(set(given), out, dcfg)
         self.check(out, dcfg)
         return out
+
+    def fit(self, given: set[str], opts: dict[str, Any], dcfg) -> None:
+        """Scale down, in ``opts``, the defaults (keys not in ``given``) that cannot fit this drafter's
+        dimensions (``dcfg``); a value the user gave is checked, never changed. ``dflash plan`` says which
+        (:func:`dflash_staged.model.run_drafter.fitted_options`)."""
 
     def check(self, opts: dict[str, Any], dcfg) -> None:
         """Refuse option values the family cannot use (one line naming the option)."""

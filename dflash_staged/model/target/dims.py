@@ -46,8 +46,9 @@ def target_text_config(tcfg: TargetConfig, local_only: bool = False):
     try:
         mcfg = AutoConfig.from_pretrained(tcfg.model, local_files_only=local_only, **kw)
     except Exception as e:  # noqa: BLE001 - any load failure is a user-fixable path problem
+        why = " ".join(str(e).split())  # one line: transformers' messages run over several
         raise DflashError(
-            f"target.model={tcfg.model!r}: cannot read the model config ({type(e).__name__}: {e}); "
+            f"target.model={tcfg.model!r}: cannot read the model config ({type(e).__name__}: {why}); "
             "check the path or hub id (offline, the files must be local)"
         ) from None
     return text_config(mcfg)

@@ -6,10 +6,10 @@ the target's frozen distribution (:mod:`.objective`).
 * **Layout** as DFlash's: the anchor row, then rows 1..B-1 the proposals; every layer is causal within
   the block (``is_causal: true``), SpecForge's ``causal_block=True``.
 * **Options** (``[drafter.options]``; defaults SpecForge's ``DSpineConfig``): ``transfer_rank`` 1024
-  (at most the hidden size and the vocabulary less one), ``message_size`` 512, ``top_k`` 16,
-  ``ce_weight`` 0.1, ``alignment_weight`` 0.5, ``alignment_warmup_steps`` 146, ``replacement_layers`` 3,
-  ``replacement_probability`` 0.5, ``replacement_hold_ratio`` 1/6, ``replacement_end_ratio`` 1/3,
-  ``candidate_mass_threshold`` 1e-4.
+  (at most the hidden size and the vocabulary less one; the default is lowered to fit, and plan says
+  so), ``message_size`` 512, ``top_k`` 16, ``ce_weight`` 0.1, ``alignment_weight`` 0.5,
+  ``alignment_warmup_steps`` 146, ``replacement_layers`` 3, ``replacement_probability`` 0.5,
+  ``replacement_hold_ratio`` 1/6, ``replacement_end_ratio`` 1/3, ``candidate_mass_threshold`` 1e-4.
 * **config.json** as SpecForge exports it: ``architectures: ["DSpineDraftModel"]``, the DFlash fields,
   and ``dspine_config`` holding every option. Tensors: the backbone's, ``injection.readouts.{i}``,
   ``injection.writes.{i}``, ``injection.{message,receiver_gate,predecessor_gate}.weight``,
@@ -32,6 +32,12 @@ INTS = ("transfer_rank", "message_size", "top_k", "alignment_warmup_steps", "rep
 
 
 class DSpine(Family):
+    def fit(self, given, opts, dcfg) -> None:
+        if "transfer_rank" not in given:  # SpecForge's 1024 on a target narrower than that
+            opts["transfer_rank"] = min(opts["transfer_rank"], dcfg.hidden_size, dcfg.vocab_size - 1)
+        if "top_k" not in given:
+            opts["top_k"] = min(opts["top_k"], dcfg.vocab_size)
+
     def check(self, opts, dcfg) -> None:
         def bad(key, why):
             raise DflashError(f"drafter.options.{key}={opts[key]!r}: {why}")
