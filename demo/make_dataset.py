@@ -13,6 +13,11 @@ atomically (temp file + fsync + rename):
 Without ``--model`` it converts the target first with ``demo/prepare.py``.
 The committed files were made with the defaults and ``--threads 1`` (about 12 min on a shared
 2-core machine); greedy decoding gives the same text on a re-run.
+
+The answers come from ``dflash regenerate``'s in-process path, or, with ``--server URL``, from servers
+that already serve the target (vLLM, SGLang, llama-server); ``--llama-server`` serves it for the run with
+this project's ``llama-server`` (``dflash serve build`` first) on an f32 GGUF with an f32 KV cache and
+plain attention: the in-process path's precision, so that the greedy text is the same.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import random
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,12 +42,19 @@ from prompts import build_prompts  # noqa: E402
 from dflash_staged.fsutil import atomic_write  # noqa: E402
 
 
-def generate(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int, work: Path):
-    """Greedy responses (text, generated token count) for `prompts`: a call of `dflash regenerate`
-    (resumable: a rerun after a kill continues from `work`)."""
+def generate(
+    model_dir: Path,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    work: Path,
+    servers: list[str] | None = None,
+):
+    """Greedy responses (text, generated token count) for `prompts`: a call of `dflash regenerate`, in
+    process or through `servers` (resumable: a rerun after a kill continues from `work`)."""
     from dflash_staged.config import TargetConfig
     from dflash_staged.regenerate.command import run_regenerate
-    from dflash_staged.regenerate.worker import GenOptions
+    from dflash_staged.regenerate.options import GenOptions, ServerOptions
 
     work.mkdir(parents=True, exist_ok=True)
     src = work / "prompts.jsonl"
@@ -55,9 +68,26 @@ def generate(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_siz
             target=TargetConfig(model=str(model_dir)), out=out, devices=["cpu"], max_new_tokens=max_new_tokens
         ),
         batch_size=batch_size,
+        server=ServerOptions(urls=servers) if servers else None,
     )
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     return [(r["messages"][-1]["content"], r["regenerated"]["new_tokens"][0]) for r in recs]
+
+
+@contextmanager
+def served(model_dir: Path, cache: Path, threads: int, slots: int):
+    """The target served by this project's llama-server for the block (see the module docstring); yields
+    its URL."""
+    from dflash_staged.serve.llamacpp import build as llama_build
+    from dflash_staged.serve.llamacpp.convert import convert
+    from dflash_staged.serve.llamacpp.server import LlamaServer
+
+    if not llama_build.is_built("cpu"):
+        raise SystemExit("--llama-server: llama-server is not built; run `dflash serve build` first")
+    gguf = convert(model_dir, cache / "target-f32.gguf", "f32")
+    kw = dict(threads=threads, kv_type="f32", flash_attn="off", extra=("-np", str(slots)))
+    with LlamaServer(llama_build.bin_dir("cpu"), gguf, cache / "llama-server.log", **kw) as srv:
+        yield srv.url
 
 
 def committed_answers(out: Path, seed: int, max_new_tokens: int) -> dict:
@@ -106,7 +136,19 @@ def main(argv: list[str] | None = None) -> int:
         default=os.cpu_count() or 1,
         help="torch threads; on a busy shared machine 1 is far faster (no spin-waiting)",
     )
+    ap.add_argument(
+        "--server",
+        help="answer through these OpenAI-compatible servers serving the target (URL[,URL...])",
+    )
+    ap.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="serve the target with this project's llama-server for the run and answer through it",
+    )
+    ap.add_argument("--slots", type=int, default=16, help="--llama-server: conversations answered at once")
     args = ap.parse_args(argv)
+    if args.server and args.llama_server:
+        ap.error("give --server or --llama-server, not both")
     if not 0 < args.heldout < args.n:
         ap.error("--heldout must be between 1 and --n - 1")
 
@@ -122,22 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     todo = [p for p in prompts if p not in known]
     t_gen = time.perf_counter()
     key = hashlib.sha256("\0".join(todo).encode()).hexdigest()[:12]  # a rerun of the same work resumes it
-    fresh = (
-        dict(
-            zip(
-                todo,
-                generate(
-                    model_dir,
-                    todo,
-                    args.max_new_tokens,
-                    args.batch_size,
-                    args.cache / f"regenerate-m{args.max_new_tokens}-{key}",
-                ),
-            )
+    fresh = {}
+    if todo:
+        serving = (
+            served(model_dir, args.cache, args.threads, args.slots) if args.llama_server else nullcontext()
         )
-        if todo
-        else {}
-    )
+        with serving as url:
+            servers = [url] if url else (args.server.split(",") if args.server else None)
+            work = args.cache / f"regenerate-m{args.max_new_tokens}-{key}"
+            fresh = dict(
+                zip(todo, generate(model_dir, todo, args.max_new_tokens, args.batch_size, work, servers))
+            )
     responses = [known.get(p) or fresh[p] for p in prompts]
     gen_s = time.perf_counter() - t_gen
 

@@ -54,6 +54,7 @@ def test_pretokenised_roundtrip_and_hash(tmp_path, monkeypatch):
         truncated=0,
         skipped_long=0,
         skipped_short_loss=0,
+        last_record=3,
         format="JSONL, 2 token ids",
     )
 

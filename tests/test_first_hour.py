@@ -155,3 +155,18 @@ def test_extract_says_when_its_full_window_has_no_trainer_to_drain_it(tmp_path):
     text = log.read_text()
     assert "no trainer is running on" in text and f"start `dflash train --manifest {mdir}" in text, text
     assert text.count("nothing drains it") == 1 and "Traceback" not in text
+
+
+def test_eval_and_pipeline_refuse_unwritable_outputs_before_any_work(tmp_path, unwritable, a_file):
+    from helpers import write_dataset
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+    args = ("eval", "--drafter", tmp_path / "none", "--target", "tiny:qwen3", "--prompts", prompts)
+    one_line(*cli(*args, "--out", unwritable / "eval.json"), "--out", "choose")  # before the drafter is read
+    one_line(*cli(*args, "--plot", a_file / "eval.png"), "--plot", "not a folder")
+    data, cfg = write_dataset(tmp_path / "d.jsonl", n=4), write_config(tmp_path / "c.toml")
+    args = ("pipeline", "--config", cfg, "--data", data, "--devices", "cpu")
+    one_line(*cli(*args, "--workdir", unwritable / "w"), "--workdir", "choose")
+    one_line(*cli(*args, "--workdir", a_file), "--workdir", "not a folder")
+    assert not (unwritable / "w").exists()

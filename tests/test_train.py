@@ -268,6 +268,7 @@ def test_ddp_two_ranks_gloo(extracted, tmp_path):
     assert m.counts()["released"] == len(items)
 
 
+@pytest.mark.slow  # the default suite's 12 minutes (issue 50); CI runs it (.ci/run)
 def test_init_from_a_live_run_warm_starts_the_replay(kept, tmp_path):
     args = (
         "train",

@@ -332,6 +332,13 @@ def train(
     help="Nucleus sampling at --temperature > 0 (1 = off).",
 )
 @click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Top-k sampling at --temperature > 0 (0 = off).",
+)
+@click.option(
     "--batch-size",
     type=click.IntRange(min=1),
     default=16,
@@ -355,6 +362,58 @@ def train(
     default=None,
     help="A Jinja chat template file replacing the tokenizer's (or the TOML's [data] one).",
 )
+@click.option(
+    "--server",
+    "servers",
+    default=None,
+    metavar="URL[,URL...]",
+    help="Answer through these OpenAI-compatible servers (vLLM, SGLang, llama-server) instead of "
+    "in-process workers; conversations are spread across them.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --server: conversations in flight per server [default: llama-server's slots, SGLang's "
+    "max running requests, else 64].",
+)
+@click.option(
+    "--api-key-env",
+    "api_key_env",
+    default=None,
+    metavar="NAME",
+    help="With --server: the environment variable holding the servers' API key (never printed).",
+)
+@click.option(
+    "--served-model",
+    "served_model",
+    default=None,
+    metavar="NAME",
+    help="With --server: the served model name to request, when the server names the target otherwise.",
+)
+@click.option(
+    "--max-attempts",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="With --server: tries of a request (429, 5xx, dropped connection) before its conversation is "
+    "skipped.",
+)
+@click.option(
+    "--server-wait",
+    "server_wait",
+    type=click.FloatRange(min=0.0),
+    default=600.0,
+    show_default=True,
+    help="With --server: seconds a server that stopped answering (a restart) is waited for before its "
+    "work goes to the others.",
+)
+@click.option(
+    "--allow-skipped",
+    is_flag=True,
+    help="With --server: write the output without the conversations that kept failing (they are "
+    "listed in OUT.skipped.jsonl).",
+)
 @user_errors
 def regenerate(
     prompts_path,
@@ -364,20 +423,40 @@ def regenerate(
     max_new_tokens,
     temperature,
     top_p,
+    top_k,
     batch_size,
     seed,
     chat_kwargs,
     chat_template,
+    servers,
+    concurrency,
+    api_key_env,
+    served_model,
+    max_attempts,
+    server_wait,
+    allow_skipped,
 ):
     """Answer every conversation with the target itself: the data DFlash trains on (resumable).
 
     With a config TOML as --target, its [data] chat options apply, so the answers are rendered the
-    way `dflash plan` will render them."""
+    way `dflash plan` will render them.
+
+    With --server, the conversations are answered by servers that already serve the target, for
+    example:
+
+    \b
+      vllm serve Qwen/Qwen3-8B --port 8000
+      python -m sglang.launch_server --model-path Qwen/Qwen3-8B --port 30000
+      llama-server -m qwen3-8b.gguf --port 8080 -np 8 -c 32768
+
+    Before any work each server must answer, serve the target (checked through /v1/models) and turn
+    sampled prompts into the project's tokens. Answers are appended as they come, so a killed run or a
+    restarted server loses nothing answered; rerun the same command to go on."""
     from dflash_staged.chat import ChatOptions
     from dflash_staged.config import load_config, target_from_spec
     from dflash_staged.extract.options import parse_devices
     from dflash_staged.regenerate.command import run_regenerate
-    from dflash_staged.regenerate.worker import GenOptions
+    from dflash_staged.regenerate.options import GenOptions, ServerOptions
 
     chat = (
         ChatOptions.from_config(load_config(target_spec).data)
@@ -392,7 +471,19 @@ def regenerate(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k,
         seed=seed,
         chat=chat,
     )
-    run_regenerate(prompts_path, o, batch_size=batch_size)
+    server = None
+    if servers:
+        server = ServerOptions(
+            urls=[u for u in servers.split(",") if u.strip()],
+            concurrency=concurrency,
+            api_key_env=api_key_env,
+            served_model=served_model,
+            max_attempts=max_attempts,
+            server_wait_s=server_wait,
+            allow_skipped=allow_skipped,
+        )
+    run_regenerate(prompts_path, o, batch_size=batch_size, server=server)

@@ -6,7 +6,8 @@ regenerated so far, rendered with the chat template (``add_generation_prompt``) 
 (:class:`~dflash_staged.chat.ChatOptions`, as ``plan`` renders the training data).
 Prompts are left-padded for generation. A generation stops at a stop token (``eos``) or after
 ``max_new_tokens`` (``length``); the answer is the text of the tokens before the stop token.
-Sampling (``temperature > 0``) is seeded per batch and round, so a rerun gives the same text.
+Sampling (``temperature > 0``, with ``top_p`` and ``top_k``, 0 = off) is seeded per batch and round, so a
+rerun gives the same text. Each record's ``regenerated`` holds the target and the sampling settings.
 """
 
 from __future__ import annotations
@@ -18,30 +19,16 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from dflash_staged.chat import ChatOptions
-from dflash_staged.config import TargetConfig
 from dflash_staged.errors import DflashError
 from dflash_staged.procs import die_with_parent
 from dflash_staged.regenerate.conversations import Conversation
+from dflash_staged.regenerate.options import GenOptions
 from dflash_staged.regenerate.parts import PartWriter
-
-
-@dataclass
-class GenOptions:
-    target: TargetConfig
-    out: Path
-    devices: list[str]
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    chat: ChatOptions = field(default_factory=ChatOptions)
 
 
 class BatchDone(NamedTuple):
@@ -96,7 +83,7 @@ def answer(model, tok, convs: list[Conversation], o: GenOptions, stop_ids: list[
             mask[row, width - len(p) :] = 1
         sample = o.temperature > 0
         kw = (
-            dict(do_sample=True, temperature=o.temperature, top_p=o.top_p)
+            dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k)
             if sample
             else dict(do_sample=False)
         )
@@ -125,7 +112,13 @@ def answer(model, tok, convs: list[Conversation], o: GenOptions, stop_ids: list[
         {
             **c.extra,
             "messages": hist[i],
-            "regenerated": {"line": c.line, "stop": stops[i], "new_tokens": lens[i]},
+            "regenerated": {
+                "line": c.line,
+                "stop": stops[i],
+                "new_tokens": lens[i],
+                "model": o.target.model,
+                "sampling": o.sampling(),
+            },
         }
         for i, c in enumerate(convs)
     ]

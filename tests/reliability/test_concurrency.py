@@ -41,6 +41,7 @@ def check_shard(store: ShardStore, m: Manifest, job) -> None:
     assert torch.equal(shard.hidden, expected_hidden(ids, len(m.meta["layer_ids"]), HIDDEN))
 
 
+@pytest.mark.slow  # the default suite's 12 minutes (issue 50); CI runs it (.ci/run)
 @pytest.mark.parametrize(
     "backend", PG_SLOW, indirect=True
 )  # default suite: test_manifest's 8 claimers, test_multihost

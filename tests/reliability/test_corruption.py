@@ -208,6 +208,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
+@pytest.mark.slow  # the default suite's 12 minutes (issue 50); CI runs it (.ci/run)
 @pytest.mark.parametrize("backend", PG_SLOW, indirect=True)
 def test_corruption_detected_and_reextracted(tmp_path, backend):
     # every shard damaged before training: the trainer's first draws all fail verification and it must

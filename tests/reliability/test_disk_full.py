@@ -74,6 +74,7 @@ def complete_after_freeing(mdir, store, flag, environ):
     assert scan_store(store)["temps"] == []
 
 
+@pytest.mark.slow  # the default suite's 12 minutes (issue 50); CI runs it (.ci/run)
 @pytest.mark.parametrize("backend", PG_SLOW, indirect=True)
 def test_disk_full_then_freed(tmp_path, backend):
     mdir = plan(tmp_path, epochs=2, extra=EXTRA, manifest=backend.address(tmp_path))

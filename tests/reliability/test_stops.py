@@ -166,6 +166,7 @@ def test_a_stop_seen_by_one_rank_stops_both_at_once(tmp_path, who):
     assert_all_released_and_clean(mdir, store, out)
 
 
+@pytest.mark.slow  # the default suite's 12 minutes (issue 50); CI runs it (.ci/run)
 def test_a_new_run_on_a_manifest_another_run_checkpointed_is_refused(tmp_path):
     """Issue 33 item 6: a trainer killed between a durable checkpoint and the release of what it covers
     (or whose consumes a power loss undid: SQLite commits them without an fsync) leaves the manifest

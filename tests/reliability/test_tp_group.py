@@ -189,6 +189,7 @@ def test_a_forward_that_raises_on_one_rank_restarts_the_group_without_waiting(tm
     assert_matches_tp1(mdir, store)
 
 
+@pytest.mark.slow  # the default suite's 12 minutes (issue 50); CI runs it (.ci/run)
 def test_a_forward_that_always_fails_restarts_the_group_three_times_in_a_row_then_stops(tmp_path):
     mdir = plan(tmp_path, n=16, extra=EXTRA + "[extract]\nlease_s = 3600\nmax_attempts = 1\n")
     flag = tmp_path / "always"
@@ -204,6 +205,7 @@ def test_a_forward_that_always_fails_restarts_the_group_three_times_in_a_row_the
         assert m.counts()["failed"] == 4 and m.counts()["written"] == 0
 
 
+@pytest.mark.slow  # the default suite's 12 minutes (issue 50); CI runs it (.ci/run)
 def test_a_failure_while_loading_stops_the_whole_group_before_any_claim(tmp_path):
     mdir = plan(tmp_path, n=8, extra=EXTRA)
     store = tmp_path / "store"
