@@ -49,6 +49,7 @@ from dflash_staged.children import Children, Progress, SpawnedChild
 from dflash_staged.errors import DflashError
 from dflash_staged.extract.messages import Seconds, Status, WorkerError
 from dflash_staged.extract.options import EXIT_DISK_FULL, EXIT_ERROR, EXIT_RESTART, ExtractOptions
+from dflash_staged.extract.undrained import UndrainedWindow
 from dflash_staged.extract.worker import POLL_S, TRAINER_COMING_S, TRAINER_GRACE_S, should_stay, worker_main
 from dflash_staged.manifest import Manifest
 from dflash_staged.manifest.balance import PUBLISH_S, SIDES, Tally, format_balance, shares
@@ -121,11 +122,6 @@ def shard_bytes_max(m: Manifest, opts: ExtractOptions) -> int:
             stored, dims.hidden_size, dtype.itemsize, cfg.target.store_topk, cfg.extract.store_dtype
         )
     return max((j.real_tokens for j in m.jobs()), default=0) * bpt
-
-
-# How long the window may stay full with no trainer alive before extract says so (the environment variable
-# is for tests).
-NO_TRAINER_SAY_S = float(os.environ.get("DFLASH_NO_TRAINER_SAY_S", "120"))
 
 
 def run_extract(opts: ExtractOptions) -> int:
@@ -236,7 +232,7 @@ class ExtractSupervisor:
         total = sum(m.counts().values())
         t0, tokens0 = time.time(), m.progress()["tokens"]["extracted"]
         progress = Progress("extract", total)
-        full_since, said = None, False  # the window full with no trainer alive to drain it: since when
+        undrained = UndrainedWindow(m.address, opts.store)
         while True:
             self._drain_status()
             for w in self.workers:
@@ -249,19 +245,9 @@ class ExtractSupervisor:
             rate = (prog["tokens"]["extracted"] - tokens0) / max(1e-9, time.time() - t0)
             full = win["shards"] >= opts.window and c["pending"]
             wait = "waiting: window full" if full else "working"
-            if full and not m.live_procs("train"):
-                full_since = full_since or time.time()
-                if not said and time.time() - full_since >= NO_TRAINER_SAY_S:
-                    said = True
-                    click.echo(
-                        f"extract: the window has been full for {time.time() - full_since:.0f} s and no "
-                        f"trainer is running on {m.address}, so nothing drains it: start `dflash train "
-                        f"--manifest {m.address} --store {opts.store} --out RUN` (or stop this with Ctrl-C; "
-                        "rerunning it resumes)",
-                        err=True,
-                    )
-            else:
-                full_since, said = None, False
+            notice = undrained.line(full, lambda: m.live_procs("train"))
+            if notice:
+                click.echo(notice, err=True)
             fig = self._publish()
             recent = shares(fig["recent"])
             idle = (
