@@ -71,7 +71,7 @@ def quick_backoff(monkeypatch):
 def run(tmp_path, script, turns=1, key=None, **server):
     """Answer one conversation through a scripted server; (outcome, the server, the part file's records)."""
     fake = Scripted(script)
-    msgs = [m for i in range(turns) for m in ({"role": "user", "content": f"question {i}"},)]
+    msgs = [{"role": "user", "content": f"question {i}"} for i in range(turns)]
     conv = Conversation(7, msgs, {})
     o = GenOptions(target=TargetConfig(model="m"), out=tmp_path / "out.jsonl", devices=[])
     s = ServerOptions(urls=[fake.url], **{"max_attempts": 3, "server_wait_s": 30.0, **server})

@@ -255,7 +255,7 @@ def one_line_error(code: int, text: str) -> str:
     return text
 
 
-def test_servers_that_cannot_be_used_are_refused_before_any_work(target, llama_bin, tmp_path):
+def test_servers_that_cannot_be_used_are_refused_before_any_work(target, llama_bin, tmp_path, monkeypatch):
     """Unreachable; serving another model; rendering another chat template; refusing the API key: one line
     each, naming the server, and nothing written. The key itself is never shown."""
     from dflash_staged.serve.llamacpp.convert import convert
@@ -286,14 +286,11 @@ def test_servers_that_cannot_be_used_are_refused_before_any_work(target, llama_b
     with serve(llama_bin, target["gguf"], tmp_path / "k.log", extra=("--api-key", secret)) as s:
         text = one_line_error(*regen(target, out, "--server", s.url))
         assert "answered 401" in text and "--api-key-env" in text
-        os.environ["DFLASH_TEST_KEY"] = "wrong"
-        try:
-            text = one_line_error(*regen(target, out, "--server", s.url, "--api-key-env", "DFLASH_TEST_KEY"))
-            assert "check the key in $DFLASH_TEST_KEY" in text and "wrong" not in text
-            os.environ["DFLASH_TEST_KEY"] = secret
-            code, text = regen(target, out, "--server", s.url, "--api-key-env", "DFLASH_TEST_KEY")
-        finally:
-            del os.environ["DFLASH_TEST_KEY"]
+        monkeypatch.setenv("DFLASH_TEST_KEY", "wrong")
+        text = one_line_error(*regen(target, out, "--server", s.url, "--api-key-env", "DFLASH_TEST_KEY"))
+        assert "check the key in $DFLASH_TEST_KEY" in text and "wrong" not in text
+        monkeypatch.setenv("DFLASH_TEST_KEY", secret)
+        code, text = regen(target, out, "--server", s.url, "--api-key-env", "DFLASH_TEST_KEY")
     assert code == 0, text
     assert secret not in text and secret not in out.read_text()
     same_answers(lines(out), target["reference"])

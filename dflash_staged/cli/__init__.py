@@ -3,7 +3,8 @@ train, the launchers pipeline (one host) and node (one GPU node), status, plot, 
 
 Each command is a thin wrapper; the work lives in the module named after it. The commands are grouped by
 stage: :mod:`~dflash_staged.cli.data` (plan, data show, status), :mod:`~dflash_staged.cli.stages`
-(extract, train, regenerate; train's torchrun relaunch in :mod:`~dflash_staged.cli.torchrun`),
+(extract, train; train's torchrun relaunch in :mod:`~dflash_staged.cli.torchrun`),
+:mod:`~dflash_staged.cli.regenerate` (regenerate),
 :mod:`~dflash_staged.cli.results` (eval, plot), :mod:`~dflash_staged.cli.serve` (serve build, export, eval),
 :mod:`~dflash_staged.cli.memory` (memory) and :mod:`dflash_staged.launch.commands` (pipeline, node);
 :mod:`~dflash_staged.cli.options` holds what they share (the group listing its commands in order,
@@ -18,9 +19,10 @@ import click
 from dflash_staged.cli.data import data_group, plan_cmd, status_cmd
 from dflash_staged.cli.memory import memory_cmd
 from dflash_staged.cli.options import MANIFEST_HELP, InOrder, parse_json_object, parse_sets
+from dflash_staged.cli.regenerate import regenerate
 from dflash_staged.cli.results import eval_cmd, plot_cmd
 from dflash_staged.cli.serve import serve_group
-from dflash_staged.cli.stages import extract, regenerate, train
+from dflash_staged.cli.stages import extract, train
 from dflash_staged.cli.torchrun import TORCHRUN_PID, die_with_torchrun, without_option
 from dflash_staged.launch.commands import node, pipeline
 

@@ -63,7 +63,10 @@ def backoff(attempt: int, retry_after: float | None = None, rng: random.Random |
 def shown(url: str) -> str:
     """The URL as messages show it: without a user name or password."""
     p = urllib.parse.urlsplit(url)
-    return p._replace(netloc=p.hostname + (f":{p.port}" if p.port else "")).geturl() if p.hostname else url
+    if not p.hostname:
+        return url
+    host = f"[{p.hostname}]" if ":" in p.hostname else p.hostname
+    return p._replace(netloc=host + (f":{p.port}" if p.port else "")).geturl()
 
 
 def _retry_after(headers) -> float | None:

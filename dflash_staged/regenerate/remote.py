@@ -18,8 +18,8 @@ Contract:
 * **Failures.** A request that fails with a retryable kind (:mod:`~dflash_staged.regenerate.client`) is
   tried again after :func:`~dflash_staged.regenerate.client.backoff`, at most ``max_attempts`` times. A
   server that refuses connections or answers 503 is unavailable (restarting, loading): its threads wait for
-  it, polling with backoff, without spending attempts, for ``server_wait_s`` from its last answer; then the
-  server is given up and its conversations go back to the queue for the other servers (the run stops,
+  it, polling with backoff, without spending attempts, for ``server_wait_s`` after it stopped answering; then
+  the server is given up and its conversations go back to the queue for the other servers (the run stops,
   keeping what is answered, when none is left). A conversation refused by the server (another 4xx, e.g.
   longer than its context) or still failing after ``max_attempts`` is skipped: one line on stderr with its
   input line number. 401, 403 and 404 stop the run (the key or the model is wrong for every conversation).
@@ -95,17 +95,23 @@ class RemoteRun:
         return None
 
     def _settle(self, conv: Conversation, rec: dict | None = None, skip: str | None = None) -> None:
+        """``conv`` answered (``rec``, appended), skipped (``skip``: why) or given back (neither)."""
         with self.lock:
-            self.in_flight -= 1
             if rec is not None and self.writer is not None:
-                self.writer.append([rec])
+                self.writer.append([rec])  # may raise (a full disk): then the caller gives it back
                 self.result.answered += 1
                 self.result.tokens += sum(rec["regenerated"]["new_tokens"])
             elif skip is not None:
                 self.result.skipped[conv.line] = skip
                 click.echo(f"regenerate: line {conv.line} skipped: {skip}", err=True)
-            elif rec is None:  # given back
+            elif rec is None:
                 self.queue.appendleft(conv)
+            self.in_flight -= 1
+
+    def _fail(self, why: str) -> None:
+        with self.lock:
+            self.result.fatal = self.result.fatal or why
+        self.stop.set()
 
     # ------------------------------------------------------------------ one thread
     def _thread(self, sv: Served) -> None:
@@ -113,6 +119,10 @@ class RemoteRun:
         while (conv := self._take(sv)) is not None:
             try:
                 rec = self._answer(sv, conv, rng)
+                if rec is None:  # the run stopped mid-conversation
+                    self._settle(conv)
+                    return
+                self._settle(conv, rec)
             except _Skip as e:
                 self._settle(conv, skip=str(e))
             except _Gone as e:
@@ -125,22 +135,17 @@ class RemoteRun:
                 self._settle(conv)
                 return
             except _Fatal as e:
-                with self.lock:
-                    self.result.fatal = self.result.fatal or str(e)
-                self.stop.set()
+                self._fail(str(e))
+                self._settle(conv)
+                return
+            except OSError as e:  # the part file could not be written
+                self._fail(f"cannot append to {self.o.out.name}.parts: {e}")
                 self._settle(conv)
                 return
             except BaseException as e:  # noqa: BLE001 - a bug here must stop the run, not hang it
-                with self.lock:
-                    self.result.fatal = self.result.fatal or f"{type(e).__name__}: {e}"
-                self.stop.set()
+                self._fail(f"{type(e).__name__}: {e}")
                 self._settle(conv)
                 return
-            else:
-                if rec is None:  # stopped mid-conversation
-                    self._settle(conv)
-                    return
-                self._settle(conv, rec)
 
     def _answer(self, sv: Served, conv: Conversation, rng: random.Random) -> dict | None:
         hist: list[dict] = []
