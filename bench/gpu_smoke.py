@@ -181,7 +181,7 @@ def main() -> int:
         if name in skip:
             summary["steps"][name] = {"status": "skipped", "why": "left out (--skip)", "not_required": True}
             continue
-        if not required(name, dev, gpus):
+        if not required(name, dev, gpus) and not (cpu and name in only):  # --only NAME rehearses it on CPU
             why = "needs 2 GPUs" if not cpu else "a CPU run leaves the tensor-parallel step out"
             summary["steps"][name] = {"status": "skipped", "why": f"{why}; not required here"}
             write_summary(out, summary)

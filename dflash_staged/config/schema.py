@@ -230,8 +230,8 @@ class DrafterConfig:
             why = check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window, "drafter.")
             _check(why is None, why or "")
         _check(
-            self.is_causal in (True, False, "auto"),
-            f'drafter.is_causal={self.is_causal!r}: use true, false or "auto"',
+            isinstance(self.is_causal, bool) or self.is_causal == "auto",  # (0.0 == False: not a bool)
+            f'drafter.is_causal={self.is_causal!r}: expected true, false or "auto"',
         )
         _check(
             self.architecture != "dflash2" or 1 <= self.conv_kernel_size <= self.block_size,

@@ -466,6 +466,8 @@ def wrong_value_for(tp):
         return base.filter(lambda v: not isinstance(v, str))
     if tp in (bool, "bool"):
         return base.filter(lambda v: not isinstance(v, bool))
+    if str(tp) == "bool | str":  # is_causal: true, false or "auto"
+        return base.filter(lambda v: not isinstance(v, bool) and v != "auto")
     if str(tp).startswith("dict"):  # a table: any other type (a table with unknown keys is another case)
         return base.filter(lambda v: not isinstance(v, dict))
     return base.filter(lambda v: not isinstance(v, list))  # list[int] / list[float] fields
