@@ -41,6 +41,15 @@ def writable_dir(path: str | os.PathLike, flag: str) -> Path:
     return p
 
 
+def writable_file(path: str | os.PathLike, flag: str) -> Path:
+    """Check that file ``path`` can be written (its folder can be, and it is not a folder); create nothing."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise DflashError(f"{flag} {path}: it is a folder; give a file name (e.g. {p / 'out.json'})")
+    writable_dir(p.parent, flag)
+    return p
+
+
 def existing_dir(path: str | os.PathLike, flag: str) -> Path:
     """A folder that must be a folder if it exists (a store or run another command fills)."""
     p = Path(path).expanduser()

@@ -170,3 +170,13 @@ def test_eval_and_pipeline_refuse_unwritable_outputs_before_any_work(tmp_path, u
     one_line(*cli(*args, "--workdir", unwritable / "w"), "--workdir", "choose")
     one_line(*cli(*args, "--workdir", a_file), "--workdir", "not a folder")
     assert not (unwritable / "w").exists()
+
+
+def test_server_only_flags_without_a_server_and_an_eval_out_that_is_a_folder(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    args = ("regenerate", "--prompts", prompts, "--target", "tiny:qwen3", "--out", tmp_path / "o.jsonl")
+    one_line(*cli(*args, "--concurrency", 4), "--concurrency applies only with --server")
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "o.jsonl.parts").exists()
+    args = ("eval", "--drafter", tmp_path / "none", "--target", "tiny:qwen3", "--prompts", prompts)
+    one_line(*cli(*args, "--out", tmp_path), "--out", "it is a folder")

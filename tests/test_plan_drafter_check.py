@@ -28,7 +28,7 @@ REFUSED = [
     ),
     (
         "[train]\nloss = { kl = 1.0 }\ntarget_topk = 32\n[target]\nstore_topk = 8\n",
-        ["train.target_topk = 32", "store_topk = 8"],
+        ["train.target_topk = 32", "top-8", "store_topk = 32"],
     ),
     (
         "[train]\nloss = { kl = 1.0 }\ndistill_temperature = 2.0\n[target]\nstore_topk = 8\n",

@@ -150,13 +150,11 @@ def eval_cmd(
     from dflash_staged.evaluate.report import format_report, run_eval
     from dflash_staged.evaluate.sampling import SamplingSettings
     from dflash_staged.fsutil import write_json_atomic
-    from dflash_staged.preflight import device as check_device
-    from dflash_staged.preflight import writable_dir
+    from dflash_staged.preflight import writable_file
 
     for flag, path in (("--out", out_path), ("--plot", plot_path)):
         if path is not None:  # before any prompt is decoded: the report would be lost at the end
-            writable_dir(Path(path).parent, flag)
-    check_device(device)
+            writable_file(path, flag)
     kwargs = parse_json_object(chat_kwargs, "--chat-template-kwargs")
     sampling = [SamplingSettings(t, top_p, top_k, seed, draft_sampling) for t in _temperatures(temperatures)]
     report = run_eval(

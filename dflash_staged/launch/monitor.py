@@ -102,7 +102,7 @@ def ended(child) -> str:
     """How a child ended, for the summary: a child its supervisor stopped and that exited on that
     signal stopped cleanly (train checkpointed); anything else is its exit code."""
     code = child.exit_code()
-    clean = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
+    clean = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM)  # (exit_code() gives a signal's death as 128 + N)
     if getattr(child, "stopped", False) and code in clean:
         return "stopped cleanly"
     return f"exit {code}"
@@ -150,7 +150,8 @@ def summary(
         "run_dir": str(mon.run_dir) if mon.run_dir else None,
         "balance": st.get("balance"),
     }
-    head = f"stopped cleanly (exit {code}); rerun the same command to resume" if stopped else f"exit {code}"
+    clean = stopped and ended(ex) == ended(tr) == "stopped cleanly"  # a crash while stopping stays one
+    head = f"stopped cleanly (exit {code}); rerun the same command to resume" if clean else f"exit {code}"
     say(
         f"summary: {head} | plan {plan_s:.1f} s, extract {ex.seconds():.1f} s ({ended(ex)}), "
         f"train {tr.seconds():.1f} s ({ended(tr)}), total {total_s:.1f} s"

@@ -1,7 +1,7 @@
 """The drafter a run trains, decided from the config and the target's facts alone (no weights): its
 :class:`~dflash_staged.model.drafters.config.DraftModelConfig` (:func:`run_drafter_config`), the options
-a family scaled to fit this target (:func:`fitted_options`), and whether the target's distribution it
-needs is stored (:func:`distribution_problem`).
+a family scaled to fit this target (:func:`fitted_options`), and whether the store holds the target's
+distribution the family or the loss needs, at a temperature they can use (:func:`store_problem`).
 
 ``dflash plan`` calls these before it writes anything, and the trainer builds its drafter from the same
 :func:`run_drafter_config`, so a drafter that plans is one that builds.
@@ -45,24 +45,47 @@ def fitted_options(cfg, dcfg: DraftModelConfig) -> list[str]:
     ]
 
 
-def distribution_problem(cfg, last_layer: bool, topk: int, where: str, fix: str) -> str | None:
-    """Why training ``cfg`` cannot get the target's distribution from a store holding its last layer
-    (``last_layer``) and top-``topk`` (0 = none), or None. ``where`` names the store or config that lacks
-    them ("store X was extracted with neither"), ``fix`` what to do ("plan with ... and extract again")."""
-    fam = family(cfg.drafter.architecture)
-    if last_layer or topk:
+def store_problem(
+    cfg, last_layer: bool, topk: int, topk_temperature: float, where: str, fix: str
+) -> str | None:
+    """Why training ``cfg`` cannot use a store holding the target's last layer (``last_layer``) and its
+    top-``topk`` (0 = none) at ``topk_temperature``, or None. ``where`` names the store or config ("store X
+    was extracted with", "the config sets"), ``fix`` how to change it ("plan with {what} and extract
+    again", "set {what}"; ``{what}`` is filled in)."""
+    fam, t = family(cfg.drafter.architecture), cfg.train
+    if t.target_topk > topk:
+        held = f"its top-{topk}" if topk else "no top-k (its last layer serves the terms)"
+        return (
+            f"train.target_topk = {t.target_topk}, but {where} {held}: set train.target_topk to at most "
+            f"{topk} (0 = all stored), or " + fix.format(what=f"[target] store_topk = {t.target_topk}")
+        )
+    if last_layer:
+        return None
+    if topk:
+        if fam.needs_target and topk_temperature != 1.0:
+            return (
+                f"drafter.architecture = {fam.name!r} learns the target's distribution at temperature 1, and "
+                f"{where} its top-{topk} at [target] topk_temperature = {topk_temperature:g}: "
+                + fix.format(what="topk_temperature = 1.0")
+            )
+        if t.target_terms and t.distill_temperature != topk_temperature:
+            return (
+                f"train.distill_temperature = {t.distill_temperature:g}, but {where} the target's top-{topk} "
+                f"at [target] topk_temperature = {topk_temperature:g}: set train.distill_temperature = "
+                f"{topk_temperature:g}"
+            )
         return None
     slices = "[target] store_last_layer = true or [target] store_topk = 64"
     if fam.needs_target:
         return (
             f"drafter.architecture = {fam.name!r} learns from the target's own distribution, which needs "
-            f"its last layer or its top-k in the store, and {where}: {fix.format(slices=slices)}"
+            f"its last layer or its top-k in the store, and {where} neither: {fix.format(what=slices)}"
         )
-    if cfg.train.needs_target:
-        what = ", ".join(cfg.train.target_terms) or "selector_labels = target"
+    if t.needs_target:
+        what = ", ".join(t.target_terms) or "selector_labels = target"
         return (
-            f"train.loss = {cfg.train.loss} ({what}) learns the target's own distribution, which needs its "
-            f"last layer or its top-k in the store, and {where}: {fix.format(slices=slices)}, or train "
+            f"train.loss = {t.loss} ({what}) learns the target's own distribution, which needs its last "
+            f"layer or its top-k in the store, and {where} neither: {fix.format(what=slices)}, or train "
             "with loss = { ce = 1.0 }"
         )
     return None

@@ -24,7 +24,7 @@ def plan_manifest(
     from dflash_staged.chat import ChatOptions
     from dflash_staged.config import load_config
     from dflash_staged.manifest import Manifest
-    from dflash_staged.model.target import resolve_layer_ids
+    from dflash_staged.model.target import load_tokenizer, resolve_layer_ids
     from dflash_staged.model.target.dims import target_dims
     from dflash_staged.plan.dataset import load_dataset
     from dflash_staged.plan.drafter_check import check_drafter
@@ -38,9 +38,12 @@ def plan_manifest(
         writable_dir(manifest_dir, "--manifest")
     dims = target_dims(cfg.target)
     layer_ids = resolve_layer_ids(cfg.target, dims.num_layers, cfg.drafter.num_hidden_layers)
-    notes = check_drafter(cfg, config_path, dims, layer_ids)  # before the data is read or anything written
+    tokenizer = load_tokenizer(cfg.target)
+    notes = check_drafter(cfg, config_path, dims, layer_ids, tokenizer)  # before the data is read or written
     chat = ChatOptions.from_config(cfg.data)
-    samples, data_hash = load_dataset(data_path, cfg, skip_bad=skip_bad, progress=progress, chat=chat)
+    samples, data_hash = load_dataset(
+        data_path, cfg, skip_bad=skip_bad, progress=progress, chat=chat, tokenizer=tokenizer
+    )
     plan = make_plan(samples.lengths(), cfg, epochs, seed)
     # meta "chat": how conversations were rendered; the trainer copies it into checkpoints for eval
     with Manifest.create(

@@ -71,8 +71,24 @@ def server_flags(f):
 
 
 def server_options(servers, concurrency, api_key_env, served_model, max_attempts, server_wait, allow_skipped):
-    """The flags' ServerOptions; None without ``--server`` (the in-process path)."""
+    """The flags' ServerOptions; None without ``--server`` (the in-process path), which refuses the flags
+    that only a server run reads."""
     if not servers:
+        given = {
+            "--concurrency": concurrency is not None,
+            "--api-key-env": api_key_env is not None,
+            "--served-model": served_model is not None,
+            "--max-attempts": max_attempts != 8,
+            "--server-wait": server_wait != 600.0,
+            "--allow-skipped": bool(allow_skipped),
+        }
+        used = [flag for flag, on in given.items() if on]
+        if used:
+            from dflash_staged.errors import DflashError
+
+            raise DflashError(
+                f"{used[0]} applies only with --server URL; add --server, or leave {used[0]} out"
+            )
         return None
     from dflash_staged.regenerate.options import ServerOptions
 

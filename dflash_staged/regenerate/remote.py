@@ -75,6 +75,7 @@ class RemoteRun:
         self.o, self.s, self.servers = o, s, servers
         self.queue = collections.deque(todo)
         self.lock = threading.Lock()
+        self.write_lock = threading.Lock()  # the part file's appends (each fsynced) and its close
         self.stop = threading.Event()
         self.in_flight = 0
         self.down_since: dict[str, float | None] = {sv.ep.url: None for sv in servers}
@@ -95,16 +96,29 @@ class RemoteRun:
         return None
 
     def _settle(self, conv: Conversation, rec: dict | None = None, skip: str | None = None) -> None:
-        """``conv`` answered (``rec``, appended), skipped (``skip``: why) or given back (neither)."""
+        """``conv`` answered (``rec``, appended), skipped (``skip``: why) or given back (neither). Appends
+        take their own lock (an fsync never holds up ``_take``); the first failed append (a full disk)
+        closes the part file, so no later line lands after a torn one, and stops the run."""
+        if rec is not None:
+            with self.write_lock:
+                try:
+                    if self.writer is None:  # the run is over: the answer is dropped, the rerun asks again
+                        rec = None
+                    else:
+                        self.writer.append([rec])
+                except OSError as e:
+                    path = self.writer.path
+                    self.writer.close()
+                    self.writer, rec = None, None
+                    self._fail(f"cannot append an answer to {path} ({e.strerror}); free space and rerun")
         with self.lock:
-            if rec is not None and self.writer is not None:
-                self.writer.append([rec])  # may raise (a full disk): then the caller gives it back
+            if rec is not None:
                 self.result.answered += 1
                 self.result.tokens += sum(rec["regenerated"]["new_tokens"])
             elif skip is not None:
                 self.result.skipped[conv.line] = skip
                 click.echo(f"regenerate: line {conv.line} skipped: {skip}", err=True)
-            elif rec is None:
+            else:
                 self.queue.appendleft(conv)
             self.in_flight -= 1
 
@@ -246,10 +260,11 @@ class RemoteRun:
             self.stop.set()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-            with self.lock:  # threads still in a request find the writer closed and drop their answer
+            with self.write_lock:  # threads still in a request find the writer closed and drop their answer
                 if self.writer is not None:
                     self.writer.close()
                     self.writer = None
+            with self.lock:
                 self.result.left = len(self.queue) + self.in_flight
         return self.result
 

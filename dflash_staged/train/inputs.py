@@ -72,9 +72,7 @@ def check_replay(m: Manifest, opts: TrainOptions) -> None:
 def wait_for_store(opts: TrainOptions, m: Manifest) -> ShardStore:
     """The store, once extract has created it (a replay needs it at once)."""
     said = False
-    while not ShardStore.exists(opts.store):
-        if opts.replay:
-            raise DflashError(f"replay: no store at {opts.store}; give the store the live run kept (--store)")
+    while not ShardStore.exists(opts.store):  # (a replay's store was checked: check_replay)
         if m.extract_done() and not m.counts()["written"]:
             raise DflashError(
                 f"no store at {opts.store} although {m.address} has nothing left to extract; "

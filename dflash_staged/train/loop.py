@@ -225,7 +225,7 @@ def train_loop(t: Trainer) -> int:
     """The training loop; returns the exit code."""
     cfg, dist = t.cfg, t.dist
     stop, idle, nonfinite, budget = StopRequested(), BusyIdle(t), 0, TimeBudget(t)
-    t.outcome = None
+    budget_spent = None
     while not (t.opts.max_steps and t.step >= t.opts.max_steps):
         if budget.over():
             print(
@@ -234,7 +234,7 @@ def train_loop(t: Trainer) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            t.outcome = ("stopped", f"at the time budget of {budget.seconds:g} s", "rerun to go on")
+            budget_spent = ("stopped", f"at the time budget of {budget.seconds:g} s", "rerun to go on")
             break
         # ---- data: this step's shards (may wait, all ranks together; never holding unreleased shards) --
         # Between collectives, branch only on values every rank agreed on: a stop signal may reach
@@ -294,6 +294,7 @@ def train_loop(t: Trainer) -> int:
     stopping = dist.any(bool(stop))
     t.checkpoint_and_release()
     idle.publish(final=True)
+    t.outcome = budget_spent  # (set once the final checkpoint is written: an error there says itself)
     if stopping:
         signum = stop.signum or signal.SIGTERM
         t.outcome = ("stopped", f"by {signal_name(signum)}", "rerun the same command to resume")

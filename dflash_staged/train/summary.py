@@ -7,44 +7,42 @@ resumes). A clean stop never reads as a crash.
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
-RECENT = 50  # steps the end-of-run averages are taken over
+from dflash_staged.errors import DflashError
+
+RECENT = 50  # logged steps the end-of-run averages are taken over
 
 
 def resume_line(step: int, checkpoint: Path) -> str:
     return f"train: resuming from step {step} (checkpoint {checkpoint})"
 
 
-def recent_figures(metrics: Path, n: int = RECENT) -> dict[str, float]:
-    """The mean loss and tau estimates over the last ``n`` logged steps of ``metrics.jsonl`` (empty
-    where none were logged)."""
+def recent_figures(run_dir: Path, n: int = RECENT) -> tuple[int, dict[str, float]]:
+    """``(steps, means)``: the mean loss and tau estimates over the last ``n`` steps of the run's
+    ``metrics.jsonl`` that logged a loss (on CUDA only every ``train.log_every``-th does), and how many
+    steps that is; ``(0, {})`` when none did."""
+    from dflash_staged.train.curves import read_metrics
+
     try:
-        lines = metrics.read_text().splitlines()[-n:]
-    except OSError:
-        return {}
-    recs = []
-    for text in lines:
-        try:
-            recs.append(json.loads(text))
-        except json.JSONDecodeError:
-            continue
+        recs = [r for r in read_metrics(run_dir) if isinstance(r.get("loss"), (int, float))][-n:]
+    except DflashError:
+        return 0, {}
     out = {}
     for key in ("loss", "tau", "target_tau", "expected_tau"):
         vals = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
         if vals:
             out[key] = sum(vals) / len(vals)
-    return out
+    return len(recs), out
 
 
-def _figures(metrics: Path) -> str:
-    f = recent_figures(metrics)
+def _figures(run_dir: Path) -> str:
+    steps, f = recent_figures(run_dir)
     names = {"loss": "loss", "tau": "training tau", "target_tau": "tau vs target (greedy)"}
     names["expected_tau"] = "expected tau at T=1"
     parts = [f"{names[k]} {v:.3f}" for k, v in f.items()]
-    return f"; over the last {RECENT} steps: " + ", ".join(parts) if parts else ""
+    return f"; over the last {steps} logged steps: " + ", ".join(parts) if parts else ""
 
 
 def done_line(steps: int, checkpoint: Path | None, out: Path) -> str:
@@ -53,7 +51,7 @@ def done_line(steps: int, checkpoint: Path | None, out: Path) -> str:
         return f"train: done: {steps} steps, no checkpoint (nothing to train on)"
     plot = out / "metrics.png"
     return (
-        f"train: done: {steps} steps, final checkpoint {checkpoint}{_figures(out / 'metrics.jsonl')}"
+        f"train: done: {steps} steps, final checkpoint {checkpoint}{_figures(out)}"
         + (f"; curves in {plot}" if plot.exists() else "")
         + f". Measure it with `dflash eval --drafter {out} ...`; serve it with `dflash serve export "
         f"--drafter {out} ...` (README: Serving the drafter)"

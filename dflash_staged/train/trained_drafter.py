@@ -24,7 +24,7 @@ from dflash_staged.model.drafters.backbone import DFlashDrafter
 from dflash_staged.model.drafters.engines import check_servable
 from dflash_staged.model.drafters.flex import resolve_attention
 from dflash_staged.model.drafters.weights import write_drafter_files
-from dflash_staged.model.run_drafter import distribution_problem, run_drafter_config
+from dflash_staged.model.run_drafter import run_drafter_config, store_problem
 from dflash_staged.model.target.weights import load_final_norm
 from dflash_staged.store import ShardStore
 from dflash_staged.store.fp8 import dequantize
@@ -186,54 +186,40 @@ def target_norm_for(cfg: Config, store: ShardStore, device: torch.device) -> tor
     distribution then comes from the store's top-k, if it holds them). A drafter family or a loss that
     needs the target's distribution from a store with neither is refused here, before any step, and so
     is a top-k taken at another temperature than the terms use."""
-    from dflash_staged.model.drafters.registry import family
-
-    meta, fam = store.meta, family(cfg.drafter.architecture)
-    k = cfg.train.target_topk
-    if k > meta.topk:
-        held = f"its top-{meta.topk}" if meta.topk else "no top-k (its last layer serves the terms)"
-        raise DflashError(
-            f"train.target_topk = {k}, but store {store.root} holds {held}: set train.target_topk to at most "
-            f"{meta.topk} (0 = all stored), or plan with [target] store_topk = {k} and extract again"
-        )
-    if meta.last_layer is not None:
-        return load_final_norm(cfg.target, device)
-    if meta.topk:
-        if not meta.topk_tail:
-            print(
-                f"train: store {store.root} holds the target's top-{meta.topk} without the tail's mass "
-                "(written before it was stored): the tail is taken as 1 - the sum of the fp16 entries, "
-                "unreliable below ~1e-4 on peaked rows; extract again into a new store to keep it exactly",
-                file=sys.stderr,
-                flush=True,
-            )
-        t, ts = cfg.train.distill_temperature, meta.topk_temperature
-        if fam.needs_target and ts != 1.0:
-            raise DflashError(
-                f"drafter.architecture = {fam.name!r} learns the target's distribution at temperature 1, "
-                f"and store {store.root} holds its top-{meta.topk} at [target] topk_temperature = {ts:g}: "
-                "plan with topk_temperature = 1.0"
-            )
-        if cfg.train.target_terms and t != ts:
-            raise DflashError(
-                f"train.distill_temperature = {t:g}, but store {store.root} holds the target's "
-                f"top-{meta.topk} at [target] topk_temperature = {ts:g}: set train.distill_temperature = "
-                f"{ts:g}"
-            )
-        return None
-    where = f"store {store.root} was extracted with neither"
-    why = distribution_problem(cfg, False, 0, where, "plan with {slices} and extract again")
+    meta = store.meta
+    why = store_problem(
+        cfg,
+        meta.last_layer is not None,
+        meta.topk,
+        meta.topk_temperature,
+        f"store {store.root} holds",
+        "plan with {what} and extract again",
+    )
     if why:
         raise DflashError(why)
+    if meta.last_layer is not None:
+        return load_final_norm(cfg.target, device)
+    if meta.topk and not meta.topk_tail:
+        print(
+            f"train: store {store.root} holds the target's top-{meta.topk} without the tail's mass "
+            "(written before it was stored): the tail is taken as 1 - the sum of the fp16 entries, "
+            "unreliable below ~1e-4 on peaked rows; extract again into a new store to keep it exactly",
+            file=sys.stderr,
+            flush=True,
+        )
     return None
 
 
 def build_drafter(
-    cfg: Config, store: ShardStore, device: torch.device, init_from: Path | None = None, say_init: bool = True
+    cfg: Config,
+    store: ShardStore,
+    device: torch.device,
+    init_from: Path | None = None,
+    resuming: bool = False,
 ):
     """A freshly initialised drafter for this target and store, with the frozen embedding and head;
     ``init_from`` (``--init-from``): start from another run's (or checkpoint's) weights instead;
-    ``say_init``: print how it was initialised (not when a checkpoint's weights will replace them)."""
+    ``resuming``: a checkpoint's weights will replace them, so no initialisation from the target."""
     from dflash_staged.model.drafters.backbone import DFlashDrafter
     from dflash_staged.model.drafters.weights import validate_mask_token
     from dflash_staged.model.target import load_tokenizer
@@ -253,15 +239,15 @@ def build_drafter(
     dcfg = run_drafter_config(cfg, dims, list(store.meta.layer_ids), mask_id)
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, embed, head)
-    if from_target and init_from is None:  # (a warm start replaces every weight anyway)
-        drafter = init_from_target_layers(cfg, drafter, lambda: DFlashDrafter(dcfg, embed, head), say_init)
+    if from_target and init_from is None and not resuming:  # (a warm start or checkpoint replaces them)
+        drafter = init_from_target_layers(cfg, drafter, lambda: DFlashDrafter(dcfg, embed, head))
     if init_from is not None:
         src = warm_start(drafter, init_from)
         print(f"train: drafter initialised from {src}", file=sys.stderr, flush=True)
     return drafter.to(device)
 
 
-def init_from_target_layers(cfg: Config, drafter, fresh, say: bool = True):
+def init_from_target_layers(cfg: Config, drafter, fresh):
     """``drafter.init``: target_top copies the target's top layers (or fails, naming the fix); auto
     does so where they fit and otherwise keeps random weights (``fresh()``, same seed), saying why."""
     from dflash_staged.model.drafters.init import init_from_target
@@ -278,12 +264,11 @@ def init_from_target_layers(cfg: Config, drafter, fresh, say: bool = True):
             flush=True,
         )
         return fresh()
-    if say:
-        print(
-            f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
-            file=sys.stderr,
-            flush=True,
-        )
+    print(
+        f"train: drafter initialised from the target ({len(copied)} tensors; {copied[0]}, ...)",
+        file=sys.stderr,
+        flush=True,
+    )
     return drafter
 
 

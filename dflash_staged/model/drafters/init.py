@@ -53,20 +53,20 @@ def _kv(w: torch.Tensor, src_heads: int, dst_heads: int, head_dim: int) -> torch
     )
 
 
-def init_from_target(drafter, target_cfg) -> list[str]:
-    """Copy the target's top layers into ``drafter`` (in place); returns what was copied, one line each."""
+def target_top_layout(c, target_cfg):
+    """Whether the target's top layers fit a drafter of config ``c`` (refused in one line otherwise; read
+    from the weights' headers and config, no tensor loaded): ``(tensors, [(prefix, layer)], text config,
+    heads, kv heads, head_dim)``. ``dflash plan`` calls it for ``drafter.init = 'target_top'``."""
     src = open_target_tensors(target_cfg)
     found = sorted(
         {(m.group(1), int(m.group(2))) for n in src.names if (m := _LAYER.match(n))}, key=lambda x: x[1]
     )
-    c = drafter.dcfg
     n = c.num_hidden_layers
     if len(found) < n:
         raise DflashError(
             f"drafter.init = 'target_top': the target has {len(found)} attention layers with q/k/v "
             f"projections, the drafter {n}; use fewer drafter.num_hidden_layers or init = 'random'"
         )
-    prefix = found[0][0]
     tcfg = src.config.get("text_config") or src.config
     t_heads = int(tcfg.get("num_attention_heads", c.num_attention_heads))
     t_kv = int(tcfg.get("num_key_value_heads") or t_heads)
@@ -82,6 +82,15 @@ def init_from_target(drafter, target_cfg) -> list[str]:
             f"drafter.init = 'target_top': {c.num_key_value_heads} drafter KV heads cannot be made from "
             f"the target's {t_kv}; use a multiple or a divisor of {t_kv}"
         )
+    return src, found, tcfg, t_heads, t_kv, t_hd
+
+
+def init_from_target(drafter, target_cfg) -> list[str]:
+    """Copy the target's top layers into ``drafter`` (in place); returns what was copied, one line each."""
+    c = drafter.dcfg
+    n = c.num_hidden_layers
+    src, found, tcfg, t_heads, t_kv, t_hd = target_top_layout(c, target_cfg)
+    prefix = found[0][0]
     params = dict(drafter.named_parameters())
     copied: list[str] = []
 
