@@ -344,3 +344,27 @@ def test_the_last_block_is_drafted_short_and_its_bonus_dropped_as_the_reference_
     assert oracle.sizes == [None, None, 4]  # the anchor and 3 drafts: the last block drafted short
     plain = Oracle(ref)
     assert speculative_generate(dense, plain, p, n).accepted == [B, B, 3]  # a proposer without sizes: cut
+
+
+def test_the_time_budget_starts_no_prompt_that_would_end_past_it(dense, monkeypatch):
+    """A fake clock: each speculative decode takes 10 s. With 25 s, prompts 1 and 2 run (the second ends at
+    20 s), and the third, which would end at 30 s at the mean so far, does not start (it would, at 20 s,
+    under a rule that only asks whether the deadline has passed)."""
+    import types
+
+    from dflash_staged.evaluate import report
+    from dflash_staged.evaluate.sampling import SamplingSettings
+
+    clock = [0.0]
+    monkeypatch.setattr(report, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real = report.speculative_generate
+
+    def slow(*a, **kw):
+        clock[0] += 10.0
+        return real(*a, **kw)
+
+    monkeypatch.setattr(report, "speculative_generate", slow)
+    prompts = [(i + 1, prompt(8, seed=i)) for i in range(4)]
+    prop = DrafterProposer(random_drafter(dense))
+    run = report._decode_all(dense, prop, prompts, 8, [], SamplingSettings(), False, True, deadline=25.0)
+    assert len(run["per_prompt"]) == 2, run["per_prompt"]

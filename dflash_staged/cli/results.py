@@ -110,8 +110,8 @@ from dflash_staged.errors import user_errors
     "--time-budget-s",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="Start no prompt once this many seconds have passed (at least one runs); the report says how "
-    "many ran.",
+    help="Start no prompt that would end past this many seconds, at the mean time of the prompts so far "
+    "(at least one runs); the report says how many ran.",
 )
 @click.option(
     "--confidence-threshold",
