@@ -18,4 +18,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def llama_bin():
+    """The llama-server this project builds (``dflash serve build``, cached per machine): skipped when it is
+    not built, a failure under ``DFLASH_REQUIRE_LLAMA_CPP=1`` (``.ci/run``)."""
+    from dflash_staged.serve.llamacpp import build as llama_build
+
+    if not llama_build.is_built("cpu"):
+        if os.environ.get("DFLASH_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(f"llama-server is not built under {llama_build.home()}: run `dflash serve build`")
+        pytest.skip("llama-server is not built on this machine: run `dflash serve build` (once, 6-30 min)")
+    return llama_build.bin_dir("cpu")
+
+
 from pgcluster import backend, pg  # noqa: E402,F401 - fixtures: a throwaway PostgreSQL server, each backend

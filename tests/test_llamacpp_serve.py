@@ -15,20 +15,10 @@ import signal
 import pytest
 
 from dflash_staged.errors import DflashError
-from dflash_staged.serve.llamacpp import build as llama_build
 
 from served import fitted_checkpoint, prompts, save_served_target, served_target
 
 NEW_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def llama_bin():
-    if not llama_build.is_built("cpu"):
-        if os.environ.get("DFLASH_REQUIRE_LLAMA_CPP") == "1":
-            pytest.fail(f"llama-server is not built under {llama_build.home()}: run `dflash serve build`")
-        pytest.skip("llama-server is not built on this machine: run `dflash serve build` (once, 6-30 min)")
-    return llama_build.bin_dir("cpu")
 
 
 @pytest.fixture(scope="module")

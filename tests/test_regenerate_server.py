@@ -19,8 +19,6 @@ import time
 import pytest
 from chat_target import save_chat_target
 
-from dflash_staged.serve.llamacpp import build as llama_build
-
 from helpers import ROOT, cli, env
 
 NEW = 24
@@ -49,15 +47,6 @@ def write_jsonl(path, rows):
 
 def lines(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def llama_bin():
-    if not llama_build.is_built("cpu"):
-        if os.environ.get("DFLASH_REQUIRE_LLAMA_CPP") == "1":
-            pytest.fail(f"llama-server is not built under {llama_build.home()}: run `dflash serve build`")
-        pytest.skip("llama-server is not built on this machine: run `dflash serve build` (once, 6-30 min)")
-    return llama_build.bin_dir("cpu")
 
 
 @pytest.fixture(scope="module")
