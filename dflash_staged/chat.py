@@ -14,6 +14,14 @@ it, from the end of the generation prompt through the end-of-turn marker (e.g.
 ``enable_thinking=False`` the generation prompt ends with an empty ``<think>`` block, so that
 block is prompt, not loss; with thinking on it is loss.
 
+**Reasoning** is stored in one shape, whoever generated it (``dflash regenerate`` in process or through
+any server; :func:`assistant_message`): the answer in ``content`` and the reasoning, without its
+``<think>`` tags, in ``reasoning_content`` (absent when the model reasoned nothing), each
+whitespace-stripped. Rendering reads that field: a template that names ``reasoning_content`` (Qwen3's,
+for one) gets the message as it is, and for any other template the reasoning is put back in front of the
+answer as the model wrote it, ``<think>\nREASONING\n</think>\n\nANSWER``, so it is rendered and carries
+the loss either way. ``content`` that still holds a ``<think>`` block is left as it is.
+
 Assistant spans are found without ``{% generation %}`` markers (real templates such as Qwen3's
 lack them). For assistant message i, the text that rendering ``messages[:i+1]`` adds to
 rendering ``messages[:i]`` with the generation prompt is the turn; when the full rendering starts
@@ -103,9 +111,39 @@ class ChatOptions:
             )
 
     def render(self, tok, messages: list[dict], gen: bool) -> str:
+        template = self.template if self.template is not None else getattr(tok, "chat_template", None)
+        if not (isinstance(template, str) and REASONING in template):
+            messages = [_fold_reasoning(m) for m in messages]
         return tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=gen, chat_template=self.template, **self.kwargs
         )
+
+
+REASONING = "reasoning_content"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def assistant_message(content: str, reasoning: str | None = None) -> dict:
+    """An answer in the stored shape (module docstring), from a server's ``content`` and reasoning field,
+    or from a generated text alone, whose reasoning ends at ``</think>``."""
+    content = content or ""
+    if reasoning is None and THINK_CLOSE in content:
+        reasoning, _, content = content.partition(THINK_CLOSE)
+        reasoning = reasoning.strip()
+        reasoning = reasoning[len(THINK_OPEN) :] if reasoning.startswith(THINK_OPEN) else reasoning
+    msg = {"role": "assistant", "content": content.strip()}
+    if reasoning and reasoning.strip():
+        msg[REASONING] = reasoning.strip()
+    return msg
+
+
+def _fold_reasoning(m: dict) -> dict:
+    """``m`` for a template that does not read ``reasoning_content``: the reasoning back in the content."""
+    r = m.get(REASONING)
+    if not r:
+        return {k: v for k, v in m.items() if k != REASONING} if REASONING in m else m
+    rest = {k: v for k, v in m.items() if k != REASONING}
+    return {**rest, "content": f"{THINK_OPEN}\n{r}\n{THINK_CLOSE}\n\n{m.get('content') or ''}"}
 
 
 _DEFAULT = ChatOptions()
@@ -132,17 +170,23 @@ def _common_prefix(a: str, b: str) -> int:
     return int(neq[0]) if len(neq) else n
 
 
+def _sentinel(m: dict, s: str) -> dict:
+    """``m`` with its text replaced by ``s``: the content ``s`` and no reasoning, so that the region that
+    differs from the full rendering covers the reasoning too."""
+    return {**{k: v for k, v in m.items() if k != REASONING}, "content": s}
+
+
 def _diff_span(chat: ChatOptions, tok, messages: list[dict], i: int, full: str) -> tuple[int, int]:
     """Locate turn i in `full` by re-rendering with its content replaced by sentinels."""
     start, end = len(full), 0
     for s in _SENTINELS:
-        alt = messages[:i] + [{**messages[i], "content": s}] + messages[i + 1 :]
+        alt = messages[:i] + [_sentinel(messages[i], s)] + messages[i + 1 :]
         r = chat.render(tok, alt, False)
         p = _common_prefix(full, r)
         q = _common_prefix(full[p:][::-1], r[p:][::-1])
         start, end = min(start, p), max(end, len(full) - q)
     # extend over the end-of-turn marker that follows the content (e.g. <|im_end|>)
-    b = chat.render(tok, messages[:i] + [{**messages[i], "content": _SENTINELS[0]}], False)
+    b = chat.render(tok, messages[:i] + [_sentinel(messages[i], _SENTINELS[0])], False)
     at = b.rfind(_SENTINELS[0])
     tail = b[at + len(_SENTINELS[0]) :].rstrip() if at >= 0 else ""
     if tail and full.startswith(tail, end):

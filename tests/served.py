@@ -85,3 +85,60 @@ def fitted_checkpoint(out: Path, family: str, target, target_dir: Path, ps, new_
     init_from_target(d, tcfg)
     fit_to_target(d, target, ps, new_tokens, steps=100, lr=5e-3 if family == "dspark" else 3e-3, **fit)
     return save_drafter(d, out)
+
+
+def step_oracle(ckpt: Path, target, prompt: torch.Tensor, out: list[int], eps: float = 0.0, seed: int = 0):
+    """``commit(p)``: the tokens a greedy verify step whose anchor is output token ``p`` commits with the
+    checkpoint's drafter, computed in this process from the target's taps of ``prompt + out`` (the step's
+    drafts against the greedy output, which is the target's argmax there), however the decode that is
+    compared reached ``p``. ``eps`` > 0 multiplies every drafter weight by ``1 + eps * N(0, 1)`` (seeded):
+    a step whose outcome such a perturbation changes hangs on a near tie of the drafter's."""
+    from dflash_staged.evaluate.speculative import DrafterProposer
+    from dflash_staged.model.drafters.weights import load_drafter
+
+    embed = target.model.get_input_embeddings().weight
+    head = target.model.get_output_embeddings().weight
+    drafter = load_drafter(ckpt, embed, head, device="cpu", dtype=target.dtype)
+    if eps:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for w in drafter.parameters():
+                if w.data_ptr() not in (embed.data_ptr(), head.data_ptr()):  # the target's own stay exact
+                    w.mul_(1 + eps * torch.randn(w.shape, generator=g))
+    proposer = DrafterProposer(drafter, kv_cache=False)
+    full = torch.cat([prompt, torch.tensor(out)])
+    with torch.inference_mode():
+        _, taps, _ = target.forward_with_taps(full[None])
+    P = prompt.numel()
+
+    def commit(p: int) -> int:
+        s = P + p
+        with torch.inference_mode():
+            drafts = proposer.propose(taps[0, :s], full[: s + 1])
+        after = full[s + 1 : s + 1 + drafts.numel()]
+        a = int((drafts[: after.numel()] == after).long().cumprod(0).sum())
+        return min(a + 1, len(out) - 1 - p)
+
+    return commit
+
+
+def judge_steps(ckpt: Path, target, prompt: torch.Tensor, out: list[int], committed: list[int], draws=4):
+    """Each verify step of a served greedy decode of ``prompt`` (``committed``: the tokens of each step,
+    the output ``out``), its final step left out, against :func:`step_oracle`: (steps that agree, steps
+    that differ on a near tie, steps that differ with a wide margin). A near tie is a step whose outcome a
+    perturbation of the drafter's weights by 1e-3 of their size changes in one of ``draws`` seeded draws:
+    two orders of magnitude above the disagreement of two f32 kernels (llama.cpp's and torch's, about
+    1e-5 of a logit's scale), so a difference there is rounding, and one elsewhere is a bug."""
+    exact = step_oracle(ckpt, target, prompt, out)
+    shaken = [step_oracle(ckpt, target, prompt, out, eps=1e-3, seed=k) for k in range(draws)]
+    same, tie, wide, p = [], [], [], 0
+    for c in committed[:-1]:
+        want = exact(p)
+        if c == want:
+            same.append(p)
+        elif any(f(p) != want for f in shaken):
+            tie.append(p)
+        else:
+            wide.append((p, c, want))
+        p += c
+    return same, tie, wide

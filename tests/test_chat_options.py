@@ -188,3 +188,37 @@ def test_eval_renders_prompts_with_the_recorded_options(tmp_path):
     r = eval_report("--chat-template-kwargs", '{"enable_thinking": true}')
     assert r["chat"]["kwargs"] == {"enable_thinking": True}
     assert r["per_prompt"][0]["prompt_tokens"] == rendered(True) < rendered(False)
+
+
+READS_REASONING = QWEN3_STYLE.replace(
+    "{%- set r = '' %}", "{%- set r = m.reasoning_content if m.reasoning_content is defined else '' %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, rendered",
+    [
+        (READS_REASONING, "<think>\nrecall it\n</think>\n\nparis.<|im_end|>"),  # reads the field (Qwen3)
+        (QWEN3_STYLE, "<think>\nrecall it\n</think>\n\nparis.<|im_end|>"),  # splits the content itself
+        (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}",
+            "<think>\nrecall it\n</think>\n\nparis.",  # knows no reasoning at all
+        ),
+    ],
+)
+def test_reasoning_stored_apart_is_rendered_and_carries_the_loss(template, rendered):
+    """``dflash regenerate`` stores reasoning in ``reasoning_content``: plan renders it whatever the template
+    (read by the template, else put back in front of the answer) and it carries the loss."""
+    from dflash_staged.chat import ChatOptions, tokenize_messages
+
+    tok = build_tiny_tokenizer()
+    msgs = [
+        {"role": "user", "content": "what is the capital of france"},
+        {"role": "assistant", "content": "paris.", "reasoning_content": "recall it"},
+    ]
+    chat = ChatOptions({"enable_thinking": True}, template)
+    ids, mask = tokenize_messages(tok, msgs, chat)
+    assert rendered in tok.decode(ids.tolist())
+    loss = loss_text(tok, ids, mask)
+    assert loss.startswith("<think>\nrecall it\n</think>") and "paris." in loss, loss

@@ -60,3 +60,43 @@ def test_missing_build_tools_are_one_line_saying_what_to_install(monkeypatch):
         b.check_tools("cuda")
     with pytest.raises(DflashError, match="--kind"):
         b.build("rocm")
+
+
+def test_a_build_records_its_cpu_and_builds_for_another_cpu_are_never_used(tmp_path, monkeypatch, capsys):
+    """A native build is kept per instruction-set signature with the CPU it was made for; a host finding only
+    builds made for other CPUs (a home shared across nodes) says so in one line, naming what it lacks, and
+    builds its own beside them instead of running a binary that may die of SIGILL."""
+    import json
+
+    from dflash_staged.serve.llamacpp import cpu
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    src = b.PinnedSource("fake-pkg", "1.0", "0" * 64, "vendor/llama.cpp")
+    tree = b.source_dir(src)
+    tree.mkdir(parents=True)
+    (tree / "convert_hf_to_gguf.py").write_text("")
+    other = b.home(src) / "build-cpu-0123456789"  # made on a host with an instruction this one lacks
+    (other / "bin").mkdir(parents=True)
+    (other / "bin" / "llama-server").write_text("")
+    (other / "DONE").write_text("")
+    (other / "CPU.json").write_text(json.dumps({"model": "Xeon of the future", "isa": ["avx2", "avx10_9"]}))
+    legacy = b.home(src) / "build-cpu"  # an older dflash's build: no CPU record
+    (legacy / "bin").mkdir(parents=True)
+    (legacy / "bin" / "llama-server").write_text("")
+    (legacy / "DONE").write_text("")
+    assert not b.is_built("cpu", src)
+
+    def fake_cmake(cmd, log, quiet, what):  # the build itself, without compiling
+        if what == "build":
+            (b.bin_dir("cpu", src)).mkdir(parents=True, exist_ok=True)
+            (b.bin_dir("cpu", src) / "llama-server").write_text("")
+
+    monkeypatch.setattr(b, "_run_logged", fake_cmake)
+    monkeypatch.setattr(b, "check_tools", lambda kind: None)
+    out = b.build("cpu", src)
+    said = capsys.readouterr().err
+    assert out == b.home(src) / f"build-cpu-{cpu.signature()}" / "bin" and b.is_built("cpu", src)
+    assert "build-cpu-0123456789 for Xeon of the future (this host lacks avx10_9)" in said
+    assert "build-cpu (no CPU record" in said and f"building one for this CPU ({cpu.model()})" in said
+    assert b.built_for(out.parent) == cpu.record()
+    assert b.build("cpu", src) == out and "other CPUs" not in capsys.readouterr().err  # built: reused

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 
 import pytest
+import torch
 
 from dflash_staged.errors import DflashError
 
-from served import fitted_checkpoint, prompts, save_served_target, served_target
+from served import fitted_checkpoint, judge_steps, prompts, save_served_target, served_target
 
 NEW_TOKENS = 40
 
@@ -33,30 +35,57 @@ def served(tmp_path_factory, llama_bin):
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
 def test_served_tau_equals_dflash_eval_step_for_step(served, family):
-    """Greedy through llama-server: the outputs equal the server's plain greedy decoding, and every
-    prompt's verify steps commit what ``dflash eval``'s do (tolerance: 90% of steps identical, pooled tau
-    within 0.02; measured here: every step)."""
+    """Greedy through llama-server: the outputs equal the server's plain greedy decoding and ``dflash
+    eval``'s, and every served verify step but each prompt's final (truncated) one commits what the same
+    drafter commits in this process at that position, except where the drafter is at a near tie
+    (``judge_steps``: a 1e-3 perturbation of its weights changes the step; test_regenerate_server measures
+    the kernels' disagreement on this CPU far below that). Stated bound: at most one near-tie step a
+    prompt. Measured on an AMD EPYC: every step identical, 3-10 of 117 positions near ties by that test."""
     from dflash_staged.evaluate.report import run_eval
-    from dflash_staged.serve.evaluate import agreement, serve_eval
+    from dflash_staged.serve.evaluate import serve_eval
+    from dflash_staged.serve.report import agreement
 
     root = served["root"] / family
     ckpt = fitted_checkpoint(
         root / "ckpt", family, served["target"], served["target_dir"], served["prompts"], NEW_TOKENS
     )
     rep = serve_eval(
-        ckpt, served["target_dir"], served["file"], root / "serve", NEW_TOKENS, quiet=True, kind="cpu"
+        ckpt,
+        served["target_dir"],
+        served["file"],
+        root / "serve",
+        NEW_TOKENS,
+        quiet=True,
+        kind="cpu",
     )
     (run,) = rep["runs"]
     assert run["lossless"] == {"identical_prompts": 3, "prompts": 3}
+    assert run["repack"] == "on" and run["baseline"]["repack"] == "on"
     ev = run_eval(ckpt, str(served["target_dir"]), served["file"], NEW_TOKENS, device="cpu", quiet=True)
-    a = agreement(run["per_prompt"], ev["per_prompt"])
     assert [r["tokens"] for r in run["per_prompt"]] == [r["tokens"] for r in ev["per_prompt"]]
-    steps = ([r["accepted"] for r in run["per_prompt"]], [r["accepted"] for r in ev["per_prompt"]])
-    assert a["identical_step_share"] >= 0.9, steps
-    assert abs(a["tau_difference"]) <= 0.02, a
+    for prompt, r in zip(served["prompts"], run["per_prompt"]):
+        same, tie, wide = judge_steps(ckpt, served["target"], prompt, r["tokens"], r["accepted"])
+        assert wide == [] and len(tie) <= 1, (r["line"], r["accepted"], tie, wide)
+        assert len(same) >= len(r["accepted"]) - 2
+    a = agreement(run["per_prompt"], ev["per_prompt"])
+    assert a["final_steps_excluded"] == 3 and a["steps"] >= 15
     assert run["tau"] > 2.0, run["tau"]  # the fitted drafter is accepted: not a comparison of rejections
-    assert (root / "serve" / "logs" / "plain-f32.log").is_file()
     assert (root / "serve" / "serve_eval.json").is_file()
+
+
+def test_the_planted_target_has_no_near_tie_on_the_served_prompts(served):
+    """What the token-for-token checks above rest on: every greedy step of the planted target on the
+    served prompts has its top two logits at least 5e-4 of their spread apart (measured: 7.5e-4 at the
+    least), far above the kernels' disagreement (about 2e-6, test_regenerate_server)."""
+    from planted import greedy_continuation
+
+    for p in served["prompts"]:
+        out = greedy_continuation(served["target"], p, NEW_TOKENS)
+        with torch.inference_mode():
+            logits, _, _ = served["target"].forward_with_taps(out[None])
+        steps = logits[0, p.numel() - 1 : -1]
+        top = steps.topk(2, -1).values
+        assert float(((top[:, 0] - top[:, 1]) / steps.std(-1)).min()) > 5e-4
 
 
 def test_server_is_stopped_on_every_exit_path(served, llama_bin, tmp_path):
@@ -75,19 +104,16 @@ def test_server_is_stopped_on_every_exit_path(served, llama_bin, tmp_path):
     with LlamaServer(llama_bin, gguf, tmp_path / "b.log") as srv:
         os.killpg(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait()
-        with pytest.raises(DflashError, match="llama-server died"):
+        with pytest.raises(DflashError, match="llama-server died \\(killed by SIGKILL\\)"):
             srv.complete([5, 6, 7], 4)
-    assert (tmp_path / "a.log").read_text(errors="replace").count("llama-server") >= 1
 
 
-def test_unservable_drafters_are_refused_in_one_line(served, tmp_path):
-    from dflash_staged.model.drafters.weights import read_drafter_config
+def test_unservable_drafters_are_refused_in_one_line():
+    from types import SimpleNamespace
+
     from dflash_staged.serve.evaluate import llama_spec_type
 
-    ckpt = served["root"] / "dspark" / "ckpt"
-    if not ckpt.is_dir():
-        pytest.skip("needs the dspark checkpoint of the test above")
-    dcfg = read_drafter_config(ckpt)
+    dcfg = SimpleNamespace(architecture="dspark", options={"markov_rank": 16, "markov_head_type": "vanilla"})
     assert llama_spec_type(dcfg, "x") == "draft-dspark"
     dcfg.options["markov_head_type"] = "gated"
     with pytest.raises(DflashError, match="vanilla"):
@@ -154,7 +180,8 @@ def test_export_command_and_q8_0_serving(served, tmp_path):
     assert (tmp_path / "gguf" / "drafter-q8_0.gguf").is_file() and (
         tmp_path / "gguf" / "target-q8_0.gguf"
     ).is_file()
-    assert "--spec-type draft-dflash --spec-draft-n-max 7" in r.output
+    assert "--spec-type draft-dflash --spec-draft-n-max 7 --spec-draft-p-min 0" in r.output
+    assert ("--no-repack" in r.output) == (platform.machine() == "x86_64")
     rep = serve_eval(
         ckpt,
         served["target_dir"],
@@ -173,4 +200,104 @@ def test_export_command_and_q8_0_serving(served, tmp_path):
     for run in rep["runs"]:
         assert run["lossless"] == {"identical_prompts": 3, "prompts": 3}
         assert run["tau"] > 1.5 and run["step_ms"]["drafter"] > 0
-    assert [x["n_max"] for x in rep["recommended"]] in ([3], [7])
+        assert run["repack"] in ("on", "off after SIGSEGV while loading")  # the report says which
+
+
+def wrapper(llama_bin, dir, before: str):
+    """A ``llama-server`` in ``dir/bin`` that runs the shell lines ``before`` (with ``$*`` its arguments),
+    then the real server: a crash of llama.cpp's, planted where this CPU has none."""
+    (dir / "bin").mkdir(parents=True)
+    w = dir / "bin" / "llama-server"
+    w.write_text(f'#!/bin/sh\n{before}\nLD_LIBRARY_PATH={llama_bin} exec {llama_bin}/llama-server "$@"\n')
+    w.chmod(0o755)
+    return dir / "bin"
+
+
+SEGV_UNLESS_NO_REPACK = (
+    'case " $* " in *" --no-repack "*) ;; '
+    '*) echo "load_tensors: AMX model buffer size = 1.00 MiB"; kill -SEGV $$ ;; esac'
+)
+
+
+def test_a_crash_while_repacking_is_retried_once_without_it_and_reported(
+    served, llama_bin, tmp_path, monkeypatch
+):
+    """llama.cpp's AMX repacking segfaults on some Xeons while it loads (llama.cpp #20824): the server is
+    started once more with --no-repack, said in one line, and serve eval's report records it for the
+    baseline and for every run; a server that crashes without repacking too is one line naming SIGSEGV."""
+    from dflash_staged.serve.llamacpp import build as llama_build
+    from dflash_staged.serve.llamacpp.convert import convert
+    from dflash_staged.serve.llamacpp.server import LlamaServer
+
+    bin_dir = wrapper(llama_bin, tmp_path / "amx", SEGV_UNLESS_NO_REPACK)
+    gguf = convert(served["target_dir"], served["root"] / "target-f32.gguf", "f32", quiet=True)
+    said: list[str] = []
+    with LlamaServer(bin_dir, gguf, tmp_path / "s.log", say=said.append) as srv:
+        assert srv.repack == "off after SIGSEGV while loading" and "--no-repack" in srv.command(1)
+        assert srv.complete([5, 6, 7], 4)["tokens"]
+    assert len(said) == 1 and "killed by SIGSEGV while loading" in said[0] and "--no-repack" in said[0]
+
+    ckpt = fitted_checkpoint(
+        tmp_path / "ckpt", "dflash", served["target"], served["target_dir"], served["prompts"], NEW_TOKENS
+    )
+    monkeypatch.setattr(llama_build, "build", lambda kind, quiet=False: bin_dir)
+    rep = serve_eval_quiet(ckpt, served, tmp_path / "serve")
+    (run,) = rep["runs"]
+    assert run["baseline"]["repack"] == "off after SIGSEGV while loading"
+    assert run["repack"] == "off (after SIGSEGV while loading in an earlier server)"
+    assert run["lossless"] == {"identical_prompts": 3, "prompts": 3}
+
+    always = wrapper(llama_bin, tmp_path / "always", "kill -SEGV $$")
+    with pytest.raises(DflashError, match="killed by SIGSEGV before it was ready even with --no-repack"):
+        with LlamaServer(always, gguf, tmp_path / "a.log", say=said.append):
+            pass
+
+
+def serve_eval_quiet(ckpt, served, out):
+    from dflash_staged.serve.evaluate import serve_eval
+
+    return serve_eval(ckpt, served["target_dir"], served["file"], out, NEW_TOKENS, quiet=True, kind="cpu")
+
+
+def test_an_illegal_instruction_names_the_cpu_the_build_was_made_for(served, llama_bin, tmp_path):
+    from dflash_staged.serve.llamacpp.convert import convert
+    from dflash_staged.serve.llamacpp.server import LlamaServer
+
+    bin_dir = wrapper(llama_bin, tmp_path / "other-cpu", "kill -ILL $$")
+    (bin_dir.parent / "CPU.json").write_text(json.dumps({"model": "Xeon of the future", "isa": ["avx10_9"]}))
+    gguf = convert(served["target_dir"], served["root"] / "target-f32.gguf", "f32", quiet=True)
+    with pytest.raises(DflashError) as e:
+        with LlamaServer(bin_dir, gguf, tmp_path / "s.log"):
+            pass
+    msg = str(e.value)
+    assert "killed by SIGILL before it was ready" in msg and "code -4" not in msg
+    assert "made for Xeon of the future, whose avx10_9 this host lacks" in msg and "dflash serve build" in msg
+
+
+def test_a_checkpoint_saved_again_within_the_second_is_converted_again(served, tmp_path):
+    """The GGUF cache is keyed by content: new weights of the same size and whole-second mtime (a checkpoint
+    re-saved within a second) are converted again, never served stale."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_staged.serve.llamacpp.convert import convert
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(served["target_dir"], ckpt)
+    out = tmp_path / "t.gguf"
+    convert(ckpt, out, "f32", quiet=True)
+    first = out.read_bytes()
+    weights = next(ckpt.glob("*.safetensors"))
+    st = weights.stat()
+    tensors = load_file(weights)
+    name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size and int(weights.stat().st_mtime) == int(st.st_mtime)
+    convert(ckpt, out, "f32", quiet=True)
+    assert out.read_bytes() != first
+    mtime = out.stat().st_mtime_ns
+    convert(ckpt, out, "f32", quiet=True)  # nothing changed: the cached file is kept
+    assert out.stat().st_mtime_ns == mtime

@@ -192,3 +192,36 @@ def test_chat_template_and_its_options_shape_the_prompt(tmp_path):
         "--prompts", prompts, "--out", tmp_path / "d", "--chat-template-kwargs", '{"tokenize": true}'
     )
     assert code == 1 and "dflash sets 'tokenize' itself" in text
+
+
+def test_a_second_run_on_the_same_out_is_refused_and_a_killed_runs_lock_goes_with_it(tmp_path):
+    """Two runs on one --out would lose answers (the first to finish removes the parts the other still
+    appends to): while one runs, a second is refused in one line naming it and touches nothing; a run
+    killed with -9 holds nothing, so the rerun goes on and finishes with each line once."""
+    prompts, out = write_prompts(tmp_path / "p.jsonl", 24), tmp_path / "out.jsonl"
+    args = ["--prompts", prompts, "--batch-size", 2, "--max-new-tokens", 6, "--out", out]
+    cmd = [sys.executable, "-m", "dflash_staged", "regenerate", "--target", "tiny:qwen3", *map(str, args)]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    parts = tmp_path / "out.jsonl.parts"
+
+    def answered() -> int:
+        return sum(len(f.read_text().splitlines()) for f in parts.glob("*.jsonl"))
+
+    t0 = time.time()
+    while time.time() - t0 < 120 and p.poll() is None and answered() < 2:
+        time.sleep(0.05)
+    try:
+        before = {f.name for f in parts.glob("*.jsonl")}
+        code, text = regen(*args)
+        assert code == 1 and len(text.strip().splitlines()) == 1, text
+        assert f"another dflash regenerate (pid {p.pid}) is writing it" in text
+        assert {f.name for f in parts.glob("*.jsonl")} == before and p.poll() is None
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    code, text = regen(*args)
+    assert code == 0, text
+    assert [r["regenerated"]["line"] for r in lines(out)] == list(range(1, 25))
+    assert not (tmp_path / "out.jsonl.lock").exists() and not parts.exists()

@@ -131,17 +131,30 @@ def test_a_refused_key_stops_the_run_and_the_key_is_sent_but_never_shown(tmp_pat
     assert len(fake.bodies) == 1  # no retry: every conversation would fail alike
 
 
-def test_reasoning_is_kept_as_produced_and_sent_back_with_the_history(tmp_path):
-    """Qwen3-style servers return the thinking apart: it is kept verbatim as ``reasoning_content`` (the
-    field chat templates read) and the next turn is asked with it in the history; the sampling settings
-    are sent explicitly (no server default applies)."""
-    think = "\nLet me think.\n"
-    r, fake, parts = run(
-        tmp_path, lambda n, b: (200, {}, completion(f" answer {n} ", reasoning_content=think)), turns=2
-    )
+THINK_STORED = {"role": "assistant", "content": "answer 1", "reasoning_content": "Let me think."}
+
+
+@pytest.mark.parametrize(
+    "server_shape",
+    [
+        {"content": " answer {n} ", "reasoning_content": "\nLet me think.\n"},  # llama-server, SGLang
+        {"content": "answer {n}", "reasoning": "Let me think."},  # vLLM's newer field
+        {"content": "<think>\nLet me think.\n</think>\n\nanswer {n}"},  # a server without a parser
+    ],
+)
+def test_reasoning_is_stored_in_one_shape_whatever_the_server_returns(tmp_path, server_shape):
+    """However a server returns the thinking, the record holds it in one shape (``reasoning_content``, the
+    field chat templates read; the answer alone in ``content``), the next turn is asked with it in the
+    history, and the sampling settings are sent explicitly (no server default applies)."""
+
+    def script(n, body):
+        shape = {k: v.format(n=n) for k, v in server_shape.items()}
+        return 200, {}, completion(**shape)
+
+    r, fake, parts = run(tmp_path, script, turns=2)
     (rec,) = parts
-    assert rec["messages"][1] == {"role": "assistant", "content": "answer 1", "reasoning_content": think}
-    assert fake.bodies[1]["messages"][1] == rec["messages"][1]
+    assert rec["messages"][1] == THINK_STORED
+    assert fake.bodies[1]["messages"][1] == THINK_STORED
     sent = fake.bodies[0]
     assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["min_p"], sent["max_tokens"]) == (
         0.0,
@@ -151,6 +164,52 @@ def test_reasoning_is_kept_as_produced_and_sent_back_with_the_history(tmp_path):
         512,
     )
     assert "seed" not in sent  # greedy
+
+
+def test_the_in_process_path_stores_reasoning_in_the_same_shape(tmp_path):
+    """The in-process worker decodes the target's tokens to ``<think>...</think>`` text: the record holds
+    the shape the server path stores."""
+    import torch
+
+    from dflash_staged.regenerate.worker import answer
+
+    class Tok:
+        pad_token_id = 0
+
+        def apply_chat_template(self, messages, **kw):
+            return "|".join(m["content"] for m in messages)
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [5] * len(text.split("|"))}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "<think>\nLet me think.\n</think>\n\nanswer 1"
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, **kw):
+            return torch.cat([input_ids, torch.tensor([[7, 8, 2]] * input_ids.shape[0])], 1)
+
+    o = GenOptions(TargetConfig(model="m"), tmp_path / "o.jsonl", ["cpu"], max_new_tokens=3)
+    (rec,) = answer(Model(), Tok(), [Conversation(1, [{"role": "user", "content": "q"}], {})], o, [2])
+    assert rec["messages"][1] == THINK_STORED and rec["regenerated"]["new_tokens"] == [2]
+
+
+def test_a_bug_in_a_thread_is_raised_with_its_own_traceback(tmp_path, monkeypatch):
+    """An unexpected exception in a conversation's thread stops the run and reaches the caller as itself
+    (the error boundary then shows its traceback), never as a one-line user error."""
+    from dflash_staged.regenerate import remote
+
+    def broken(self, sv, conv, rng):
+        return {"a": 1}["b"]  # a KeyError: a bug, not a failure of the server
+
+    monkeypatch.setattr(remote.RemoteRun, "_answer", broken)
+    with pytest.raises(KeyError) as e:
+        run(tmp_path, lambda n, b: (200, {}, completion()))
+    assert any(f.name == "broken" for f in __import__("traceback").extract_tb(e.value.__traceback__))
 
 
 def test_backoff_grows_to_its_cap_and_follows_retry_after():

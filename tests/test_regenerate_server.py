@@ -5,6 +5,13 @@ sets).
 The target is the tiny chat target of ``tests/chat_target.py`` (a Llama whose tokenizer and plain-text chat
 template llama.cpp and Hugging Face share), converted to an f32 GGUF by llama.cpp's converter and served
 with an f32 KV cache and plain attention, so that both sides decode greedily in the same precision.
+
+Its weights are random, so some greedy steps are near ties. Two kernels that sum in another order (llama.cpp's
+and torch's, or torch's AVX2 and AVX-512 ones) can pick either token there, so an answer is held to the
+in-process one token for token except where it first departs at a near tie of the target: a step whose top
+two logits are closer than :data:`NEAR_TIE` of the logits' spread, far above the kernels' disagreement,
+which :func:`test_the_kernels_disagree_far_below_a_near_tie` measures on the CPU the suite runs on
+(here, an AMD EPYC: 1.8e-6 of the spread).
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ import sys
 import time
 
 import pytest
+import torch
 from chat_target import save_chat_target
 
 from helpers import ROOT, cli, env
 
 NEW = 24
 CONVERSATIONS = 36
+NEAR_TIE = 1e-3  # a step whose top-2 logit gap is below this share of the logits' standard deviation
 
 
 def conversations(n: int = CONVERSATIONS) -> list[dict]:
@@ -56,13 +65,63 @@ def target(tmp_path_factory, llama_bin):
     root = tmp_path_factory.mktemp("chat")
     tdir = save_chat_target(root / "target")
     prompts = write_jsonl(root / "prompts.jsonl", conversations())
+    reference = in_process(tdir, prompts)
     return {
         "root": root,
         "dir": tdir,
         "gguf": convert(tdir, root / "target-f32.gguf", "f32", quiet=True),
         "prompts": prompts,
-        "reference": in_process(tdir, prompts),
+        "reference": reference,
+        "margins": greedy_margins(tdir, reference),
     }
+
+
+def greedy_margins(target_dir, reference) -> dict:
+    """(line, answer index) -> (the target's greedy token ids for that answer, decoded one prompt at a time,
+    the stop token included; the relative gap of the top two logits at each of those steps)."""
+    from dflash_staged.chat import ChatOptions
+    from dflash_staged.config import TargetConfig
+    from dflash_staged.model.target import load_target, load_tokenizer, stop_token_ids
+    from dflash_staged.regenerate.worker import render
+
+    tcfg = TargetConfig(model=str(target_dir))
+    model, tok = load_target(tcfg, "cpu", layer_ids=[0]).model, load_tokenizer(tcfg)
+    stops = stop_token_ids(model, tok)
+    out = {}
+    for rec in reference:
+        msgs = rec["messages"]
+        answers = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        for k, i in enumerate(answers):
+            ids = torch.tensor([render(tok, msgs[:i], ChatOptions())])
+            with torch.inference_mode():
+                g = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=NEW,
+                    do_sample=False,
+                    eos_token_id=stops,
+                    pad_token_id=stops[0],
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+            new = g.sequences[0, ids.shape[1] :].tolist()
+            rel = []
+            for sc in g.scores:
+                top = sc[0].topk(2).values
+                rel.append(float((top[0] - top[1]) / sc[0].std()))
+            out[(rec["regenerated"]["line"], k)] = (new[: len(rel)], rel)
+    return out
+
+
+def departure(tok, ids: list[int], text: str) -> int | None:
+    """The first step of ``ids`` whose token takes its decoding off ``text``: None when ``ids`` decode to
+    ``text``; the last step (the stop token) when ``text`` goes on where ``ids`` stop."""
+    if tok.decode(ids, skip_special_tokens=True).strip() == text:
+        return None
+    for k in range(len(ids)):
+        if not text.startswith(tok.decode(ids[: k + 1], skip_special_tokens=True).strip()):
+            return k
+    return len(ids) - 1
 
 
 def in_process(target_dir, prompts) -> list[dict]:
@@ -108,19 +167,65 @@ def regen(target, out, *args):
     )
 
 
-def same_answers(got: list[dict], ref: list[dict]) -> None:
+def same_answers(got: list[dict], target: dict) -> None:
     """Token for token: the chat API returns text, so the comparison is the text of every answer, its token
     count and its stop (the in-process path decodes its tokens, strips the text and counts the tokens
-    before the stop token; the server path the same of the server's)."""
+    before the stop token; the server path the same of the server's). A conversation may depart from the
+    in-process one only where the target is at a near tie (module docstring); from there on its turns
+    follow another history and are not compared. At most a few may (stated bound: 3 of 36)."""
+    from dflash_staged.config import TargetConfig
+    from dflash_staged.model.target import load_tokenizer
+
+    ref, margins = target["reference"], target["margins"]
+    tok = load_tokenizer(TargetConfig(model=str(target["dir"])))
     assert [r["regenerated"]["line"] for r in got] == [r["regenerated"]["line"] for r in ref]
+    departed = []
     for a, b in zip(got, ref):
-        assert a["messages"] == b["messages"], a["regenerated"]["line"]
-        assert a["regenerated"]["new_tokens"] == b["regenerated"]["new_tokens"]
-        assert a["regenerated"]["stop"] == b["regenerated"]["stop"]
         assert a["id"] == b["id"]
+        line = a["regenerated"]["line"]
+        if a["messages"] == b["messages"]:
+            assert a["regenerated"]["new_tokens"] == b["regenerated"]["new_tokens"]
+            assert a["regenerated"]["stop"] == b["regenerated"]["stop"]
+            continue
+        turns = [(x, y) for x, y in zip(a["messages"], b["messages"]) if y["role"] == "assistant"]
+        k = next(i for i, (x, y) in enumerate(turns) if x != y)
+        ids, rel = margins[(line, k)]
+        steps = [departure(tok, ids, m["content"]) for m in turns[k]]
+        at = min(s for s in steps if s is not None)
+        assert rel[at] < NEAR_TIE, (line, k, at, rel[at], turns[k])
+        departed.append(line)
+    assert len(departed) <= 3, departed
 
 
 # ---------------------------------------------------------------------------------------------- answers
+def test_the_kernels_disagree_far_below_a_near_tie(target, llama_bin, tmp_path):
+    """What the near-tie tolerance rests on, measured on this CPU: the target's log-probabilities from
+    llama-server (f32) and from torch over a greedy continuation differ by less than a tenth of
+    :data:`NEAR_TIE` of the logits' spread (measured on an AMD EPYC: 1.2e-5 in log-probability, 1.8e-6 of the
+    spread)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = torch.randint(5, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with serve(llama_bin, target["gguf"], tmp_path / "s.log") as s:
+        r = s.post(
+            "/completion",
+            {"prompt": prompt, "n_predict": NEW, "temperature": 0, "n_probs": 8, "return_tokens": True},
+        )
+    model = AutoModelForCausalLM.from_pretrained(target["dir"], dtype=torch.float32)
+    full = torch.tensor(prompt + r["tokens"])
+    with torch.inference_mode():
+        logits = model(full[None]).logits[0, len(prompt) - 1 : -1].double()
+    logp = torch.log_softmax(logits, -1)
+    diffs = [
+        abs(t["logprob"] - float(logp[k, t["id"]]))
+        for k, step in enumerate(r["completion_probabilities"])
+        for t in step["top_logprobs"]
+    ]
+    assert len(diffs) == 8 * NEW
+    spread = float(logits.std(-1).min())
+    assert max(diffs) / spread < NEAR_TIE / 10, (max(diffs), spread)
+
+
 def test_two_servers_answer_greedily_as_the_in_process_path_does(target, llama_bin, tmp_path):
     """A few dozen conversations spread over two servers: every answer equals the in-process path's."""
     ref = target["reference"]
@@ -133,7 +238,7 @@ def test_two_servers_answer_greedily_as_the_in_process_path_does(target, llama_b
     ):
         code, text = regen(target, out, "--server", f"{a.url},{b.url}/v1")
     assert code == 0, text
-    same_answers(lines(out), ref)
+    same_answers(lines(out), target)
     assert f"{CONVERSATIONS} conversations, 48 answers" in text
     assert "conv/s" in text and "new tok/s" in text and "ETA" in text
     assert "2 at once" in text  # sized to the server's slots
@@ -208,7 +313,7 @@ def test_a_server_restart_and_a_kill9_of_the_client_lose_nothing(target, llama_b
         text = c.communicate(timeout=120)[0]
         assert c.returncode == 0, text
         assert "skipped" not in text
-        same_answers(lines(first), target["reference"])
+        same_answers(lines(first), target)
 
         c = start_client(target, second, "--server", srv.url)
         wait_for(lambda: parts_lines(second) >= 3, what="three answers")
@@ -222,7 +327,7 @@ def test_a_server_restart_and_a_kill9_of_the_client_lose_nothing(target, llama_b
         code, text = regen(target, second, "--server", srv.url)
     assert code == 0, text
     assert f"resuming, {kept}/{CONVERSATIONS} conversations already answered" in text
-    same_answers(lines(second), target["reference"])
+    same_answers(lines(second), target)
 
 
 def test_a_server_that_dies_for_good_hands_its_work_to_the_other(target, llama_bin, tmp_path):
@@ -235,7 +340,7 @@ def test_a_server_that_dies_for_good_hands_its_work_to_the_other(target, llama_b
         text = c.communicate(timeout=120)[0]
     assert c.returncode == 0, text
     assert f"giving up on {b_srv.url}" in text and "skipped" not in text
-    same_answers(lines(out), target["reference"])
+    same_answers(lines(out), target)
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -282,7 +387,7 @@ def test_servers_that_cannot_be_used_are_refused_before_any_work(target, llama_b
         code, text = regen(target, out, "--server", s.url, "--api-key-env", "DFLASH_TEST_KEY")
     assert code == 0, text
     assert secret not in text and secret not in out.read_text()
-    same_answers(lines(out), target["reference"])
+    same_answers(lines(out), target)
 
 
 def test_a_conversation_the_server_refuses_is_skipped_with_its_line(target, llama_bin, tmp_path):

@@ -34,7 +34,9 @@ def build_cmd(kind: str | None, jobs: int | None) -> None:
     kind = kind or b.default_kind()
     was = b.is_built(kind)
     path = b.build(kind, jobs=jobs)
-    click.echo(f"{path / 'llama-server'}" + (" (already built)" if was else ""))
+    rec = b.built_for(path.parent) or {}
+    made = f"for {rec.get('model', 'this CPU')}, instruction sets {rec.get('signature', '?')}"
+    click.echo(f"{path / 'llama-server'} ({made}" + (", already built)" if was else ")"))
 
 
 @serve_group.command("export", short_help="Write the drafter as GGUF (and the llama-server command).")
@@ -74,6 +76,7 @@ def export_cmd(drafter_path, target_dir, out, outtype, with_target, with_target_
     """Write the drafter as GGUF with llama.cpp's own converter (and the llama-server command to use it)."""
     from dflash_staged.model.drafters.weights import read_drafter_config
     from dflash_staged.serve.evaluate import llama_spec_type, max_drafts
+    from dflash_staged.serve.llamacpp import cpu
     from dflash_staged.serve.llamacpp.convert import convert
     from dflash_staged.train.checkpoint import resolve_checkpoint
 
@@ -89,10 +92,16 @@ def export_cmd(drafter_path, target_dir, out, outtype, with_target, with_target_
     tgt = Path(out) / f"target-{outtype}.gguf"
     if with_target:
         click.echo(convert(target_dir, tgt, outtype))
-    click.echo(
-        f"serve it: llama-server -m {tgt} -md {dft} --spec-type {spec} --spec-draft-n-max {max_drafts(dcfg)} "
-        "--spec-draft-p-min 0"
-    )
+    line = f"llama-server -m {tgt} -md {dft} --spec-type {spec} --spec-draft-n-max {max_drafts(dcfg)}"
+    line += " --spec-draft-p-min 0"
+    if cpu.printed_no_repack(outtype):
+        line += " --no-repack"
+    click.echo(f"serve it: {line}")
+    if cpu.printed_no_repack(outtype):
+        click.echo(
+            f"  (--no-repack: llama.cpp repacks {outtype} weights on x86 only for AMX, which crashes on "
+            "some AMX hosts, llama.cpp #20824; without AMX the flag changes nothing)"
+        )
 
 
 @serve_group.command("eval", short_help="Measure tau and tokens/s in a real llama-server.")
@@ -199,7 +208,7 @@ def eval_cmd(
     import json
 
     from dflash_staged.errors import DflashError
-    from dflash_staged.serve.evaluate import agreement, format_run, serve_eval
+    from dflash_staged.serve.evaluate import format_run, serve_eval
 
     def numbers(text, flag, cast):
         try:
@@ -224,18 +233,8 @@ def eval_cmd(
         else None,
         chat_template=chat_template,
         kind=kind,
+        compare=compare_path,
     )
-    if compare_path is not None:
-        try:
-            ev = json.loads(Path(compare_path).read_text())
-        except (OSError, ValueError) as e:
-            raise DflashError(f"--compare {compare_path}: cannot read the dflash eval report ({e})") from None
-        for run in report["runs"]:
-            if run["temperature"] == 0:
-                run["agreement"] = agreement(run["per_prompt"], ev["per_prompt"])
-        from dflash_staged.fsutil import write_json_atomic
-
-        write_json_atomic(Path(out) / "serve_eval.json", report)
     if as_json:
         click.echo(json.dumps(report, indent=1))
         return
@@ -245,8 +244,8 @@ def eval_cmd(
         if a:
             click.echo(
                 f"  vs dflash eval: {a['identical_steps']}/{a['steps']} steps identical "
-                f"({a['identical_step_share']:.1%}), {a['identical_prompts']}/{a['prompts']} prompts "
-                f"identical, "
+                f"({a['identical_step_share']:.1%}; each prompt's final, truncated step left out), "
+                f"{a['identical_prompts']}/{a['prompts']} prompts identical, "
                 f"tau {a['tau_served']:.3f} vs {a['tau_eval']:.3f}"
             )
     for r in report.get("recommended", []):

@@ -4,7 +4,8 @@ A record is an object holding one of
 
 * ``input_ids`` and ``loss_mask``: already tokenised, one 0/1 (or boolean) per id;
 * ``messages``: ``[{"role", "content"}, ...]`` with roles ``system``, ``developer``, ``user``,
-  ``assistant``, ``tool``;
+  ``assistant``, ``tool``; an assistant turn may hold its reasoning apart, in a string
+  ``reasoning_content``, as ``dflash regenerate`` stores it (rendered as :mod:`dflash_staged.chat` says);
 * ``conversations`` (ShareGPT, UltraChat, perfectblend exports): ``[{"from", "value"}, ...]`` where
   ``from`` is ``human`` or ``user`` (-> user), ``gpt`` or ``assistant`` (-> assistant), or
   ``system``; a string ``system`` field beside it becomes a leading system message.
@@ -84,6 +85,9 @@ def _turns(value: Any, key: str, role_key: str, text_key: str) -> list[dict]:
 def parse_messages(value: Any) -> list[dict]:
     out = _turns(value, "messages", "role", "content")
     for i, m in enumerate(out):
+        r = m.get("reasoning_content")
+        if r is not None and not isinstance(r, str):
+            raise BadRecord(f"messages[{i}].reasoning_content", f"expected a string, got {type(r).__name__}")
         if m["role"] not in ROLES:
             raise BadRecord(
                 f"messages[{i}].role",

@@ -26,7 +26,7 @@ from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import atomic_write
 from dflash_staged.regenerate.conversations import read_conversations
 from dflash_staged.regenerate.options import GenOptions, ServerOptions
-from dflash_staged.regenerate.parts import finish, load_done, parts_dir
+from dflash_staged.regenerate.parts import exclusive, finish, load_done, parts_dir
 from dflash_staged.regenerate.report import format_summary, progress_line, skipped_line, summarize
 from dflash_staged.regenerate.worker import BatchDone, WorkerFailed, worker_main
 
@@ -73,8 +73,13 @@ def run_regenerate(
     prompts: Path, o: GenOptions, batch_size: int = 16, server: ServerOptions | None = None
 ) -> dict:
     """Answer every conversation of ``prompts`` into ``o.out``, in process or through ``server``; returns
-    the summary (also printed)."""
+    the summary (also printed). One run per ``o.out`` at a time (:func:`~.parts.exclusive`)."""
     convs = read_conversations(prompts)
+    with exclusive(o.out):
+        return _run(prompts, convs, o, batch_size, server)
+
+
+def _run(prompts: Path, convs, o: GenOptions, batch_size: int, server: ServerOptions | None) -> dict:
     lines = [c.line for c in convs]
     skipped_before = _listed_skipped(o.out)
     expected = [n for n in lines if n not in skipped_before]

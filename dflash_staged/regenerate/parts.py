@@ -9,10 +9,17 @@ restarted run continues where it stopped and never answers a line twice. When ev
 answered the records are written to ``OUT`` in input order with
 :func:`dflash_staged.fsutil.atomic_write` and ``OUT.parts/`` is removed; ``OUT`` therefore
 exists only complete.
+
+**One run per OUT** (:func:`exclusive`): a run holds an exclusive ``flock`` on ``OUT.lock`` from before it
+reads the part files (whose torn last lines it cuts) until it has written ``OUT``; a second run on the
+same ``OUT`` is refused with one line naming the first's pid, before it touches anything. The kernel
+drops the lock when its holder dies, ``kill -9`` included, so a rerun after a crash is never refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -24,6 +31,43 @@ from dflash_staged.fsutil import atomic_write, fsync_dir
 
 def parts_dir(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
+
+
+def lock_path(out: Path) -> Path:
+    return out.with_name(out.name + ".lock")
+
+
+@contextlib.contextmanager
+def exclusive(out: Path):
+    """Hold ``OUT.lock`` for the run (module docstring); the lock file is removed when the run ends."""
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DflashError(
+                f"--out {out}: another dflash regenerate (pid {holder}) is writing it; wait for that run to "
+                f"end or choose another --out (the lock is {path})"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # else the run before us removed the file between our open and our lock: try again
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def load_done(out: Path) -> dict[int, dict]:

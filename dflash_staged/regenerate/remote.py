@@ -10,8 +10,11 @@ Contract:
   are, each earlier answer as the server gave it (with its reasoning field), the chat options as
   ``chat_template_kwargs``, and the sampling settings: ``temperature``, ``top_p``, ``top_k`` (-1: off),
   ``min_p`` 0 (llama-server's default is not), ``max_tokens``, and at ``temperature > 0`` a ``seed`` per
-  conversation and turn. An answer keeps a separate reasoning field as ``reasoning_content`` (the name chat
-  templates such as Qwen3's read back).
+  conversation and turn. An answer is stored in the project's one shape for reasoning
+  (:func:`~dflash_staged.chat.assistant_message`): a server's separate reasoning field, or the reasoning a
+  server without a reasoning parser leaves in the content before ``</think>``, becomes
+  ``reasoning_content`` (the name chat templates such as Qwen3's read back), the rest ``content``; the
+  in-process path stores the same shape.
 * **Durable.** A conversation is appended to this run's part file (:mod:`~dflash_staged.regenerate.parts`)
   and fsynced as soon as its last turn is answered, so a ``kill -9`` loses only the conversations in flight,
   and a rerun answers only the others. A conversation is written whole or not at all.
@@ -24,6 +27,9 @@ Contract:
   longer than its context) or still failing after ``max_attempts`` is skipped: one line on stderr with its
   input line number. 401, 403 and 404 stop the run (the key or the model is wrong for every conversation).
 * **Signals.** SIGINT and SIGTERM stop the run at once; the answered conversations are in the part file.
+* **Bugs.** Any other exception in a thread stops the run (the answered conversations are kept) and is
+  raised again from :meth:`RemoteRun.run` with its own traceback, which the error boundary shows in full
+  (:mod:`dflash_staged.errors`): only the failures above are one-line errors.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import time
 
 import click
 
+from dflash_staged.chat import assistant_message
 from dflash_staged.children import Progress
 from dflash_staged.regenerate.checks import Served
 from dflash_staged.regenerate.client import RETRY, Reply, RequestFailed, backoff
@@ -68,6 +75,7 @@ class Outcome:
         self.signalled = False
         self.gone: dict[str, str] = {}  # server url -> the failure it was given up on
         self.left = 0  # conversations nobody could answer (every server was given up)
+        self.bug: BaseException | None = None  # an unexpected error in a thread, raised again by run()
 
 
 class RemoteRun:
@@ -156,8 +164,10 @@ class RemoteRun:
                 self._fail(f"cannot append to {self.o.out.name}.parts: {e}")
                 self._settle(conv)
                 return
-            except BaseException as e:  # noqa: BLE001 - a bug here must stop the run, not hang it
-                self._fail(f"{type(e).__name__}: {e}")
+            except BaseException as e:  # noqa: BLE001 - a bug: stop the run, then raise it in the main thread
+                with self.lock:
+                    self.result.bug = self.result.bug or e
+                self.stop.set()
                 self._settle(conv)
                 return
 
@@ -172,10 +182,7 @@ class RemoteRun:
             reply = self._request(sv, self._body(sv, hist, conv.line, len(lens)), rng)
             if reply is None:
                 return None
-            msg = {"role": "assistant", "content": reply.content}
-            if reply.reasoning is not None:
-                msg["reasoning_content"] = reply.reasoning
-            hist.append(msg)
+            hist.append(assistant_message(reply.content, reply.reasoning))
             stops.append(reply.stop)
             lens.append(reply.new_tokens)
         meta = {"line": conv.line, "stop": stops, "new_tokens": lens}
@@ -266,6 +273,8 @@ class RemoteRun:
                     self.writer = None
             with self.lock:
                 self.result.left = len(self.queue) + self.in_flight
+        if self.result.bug is not None:  # a bug, not a user's error: its own traceback, in full
+            raise self.result.bug
         return self.result
 
 

@@ -6,6 +6,8 @@ regenerated so far, rendered with the chat template (``add_generation_prompt``) 
 (:class:`~dflash_staged.chat.ChatOptions`, as ``plan`` renders the training data).
 Prompts are left-padded for generation. A generation stops at a stop token (``eos``) or after
 ``max_new_tokens`` (``length``); the answer is the text of the tokens before the stop token.
+The answer is stored in the project's one shape for reasoning (:func:`~dflash_staged.chat.assistant_message`:
+the reasoning before ``</think>`` in ``reasoning_content``, the rest in ``content``).
 Sampling (``temperature > 0``, with ``top_p`` and ``top_k``, 0 = off) is seeded per batch and round, so a
 rerun gives the same text. Each record's ``regenerated`` holds the target and the sampling settings.
 """
@@ -23,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from dflash_staged.chat import ChatOptions
+from dflash_staged.chat import ChatOptions, assistant_message
 from dflash_staged.errors import DflashError
 from dflash_staged.procs import die_with_parent
 from dflash_staged.regenerate.conversations import Conversation
@@ -103,9 +105,7 @@ def answer(model, tok, convs: list[Conversation], o: GenOptions, stop_ids: list[
             stops[i].append("length" if end is None else "eos")
             new = new if end is None else new[:end]
             lens[i].append(len(new))
-            hist[i].append(
-                {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True).strip()}
-            )
+            hist[i].append(assistant_message(tok.decode(new, skip_special_tokens=True)))
         need = [i for i in need if advance(i)]
         rnd += 1
     return [

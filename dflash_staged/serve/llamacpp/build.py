@@ -11,8 +11,14 @@ Contract:
   tree and its converter are used, never the Python bindings.
 * **Where.** ``$DFLASH_CACHE`` (default ``$XDG_CACHE_HOME/dflash-staged``, else
   ``~/.cache/dflash-staged``) ``/llama.cpp/<version>/``: ``src/`` (the vendored tree, extracted to a
-  temporary name and renamed), ``build-cpu/`` or ``build-cuda/`` (cmake's), ``build-<kind>.log``.
-  Outside any run directory, so every run and every clone on the machine shares one build.
+  temporary name and renamed), ``build-<kind>-<cpu>/`` (cmake's; ``kind`` is ``cpu`` or ``cuda``, ``cpu``
+  the :func:`~.cpu.signature` of the host's instruction sets) and ``build-<kind>-<cpu>.log``. Outside any
+  run directory, so every run and every clone on the machine shares one build.
+* **Which CPU.** The build is native (``-march=native``), so each build directory holds ``CPU.json``
+  (:func:`~.cpu.record`: the model name and instruction sets of the host that built it), and a host only
+  uses the build of its own signature. A host that finds only builds made for other CPUs (a home
+  directory shared across nodes) says so in one line, naming what it lacks of theirs, and builds its own
+  beside them; it never runs a binary built for instructions it may not have.
 * **Resumable.** The sdist is downloaded with ``pip download`` and checked against its sha256; the
   extraction is atomic; cmake's build is incremental, so an interrupted build continues where it
   stopped. A file lock makes a second builder wait for the first. ``build-<kind>/DONE`` is written
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -39,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_staged.errors import DflashError
+from dflash_staged.fsutil import write_json_atomic
+from dflash_staged.serve.llamacpp import cpu
 
 
 @dataclass(frozen=True)
@@ -80,7 +89,42 @@ def source_dir(source: PinnedSource = SOURCE) -> Path:
 
 
 def build_dir(kind: str = "cpu", source: PinnedSource = SOURCE) -> Path:
-    return home(source) / f"build-{kind}"
+    """This host's build of ``kind`` (see the module docstring: one per CPU signature)."""
+    return home(source) / f"build-{kind}-{cpu.signature()}"
+
+
+def built_for(path: Path) -> dict | None:
+    """The ``CPU.json`` record of the build directory ``path`` (None: an unknown CPU)."""
+    try:
+        rec = json.loads((Path(path) / "CPU.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def other_builds(kind: str = "cpu", source: PinnedSource = SOURCE) -> str | None:
+    """One line about the finished builds of ``kind`` made for other CPUs, or None when there are none."""
+    mine = build_dir(kind, source)
+    others = [
+        d
+        for d in sorted(home(source).glob(f"build-{kind}*"))
+        if d.is_dir() and d != mine and (d / "DONE").is_file()
+    ]
+    if not others:
+        return None
+    said = []
+    for d in others:
+        rec = built_for(d)
+        if rec is None:
+            said.append(f"{d.name} (no CPU record: an older dflash made it)")
+            continue
+        missing = cpu.lacks(rec)
+        why = f"this host lacks {', '.join(missing)}" if missing else "other instruction sets"
+        said.append(f"{d.name} for {rec.get('model', 'another CPU')} ({why})")
+    return (
+        f"the llama.cpp builds in {home(source)} were made for other CPUs: {'; '.join(said)}; building one "
+        f"for this CPU ({cpu.model()}) beside them"
+    )
 
 
 def bin_dir(kind: str = "cpu", source: PinnedSource = SOURCE) -> Path:
@@ -240,11 +284,15 @@ def build(
     if is_built(kind, source):
         return bin_dir(kind, source)
     check_tools(kind)
+    foreign = other_builds(kind, source)
+    if foreign:
+        _say(foreign, quiet)
     src = ensure_source(source, quiet)
     with _locked(home(source) / f".build-{kind}.lock", quiet):
         if is_built(kind, source):
             return bin_dir(kind, source)
-        out, log = build_dir(kind, source), home(source) / f"build-{kind}.log"
+        out = build_dir(kind, source)
+        log = out.with_name(out.name + ".log")
         t0 = time.monotonic()
         jobs = jobs or os.cpu_count() or 2
         resumed = (out / "CMakeCache.txt").is_file()
@@ -258,12 +306,14 @@ def build(
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
         flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]
         flags += ["-DGGML_CUDA=ON"] if kind == "cuda" else []
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / "CPU.json", cpu.record())
         if not resumed:
             _run_logged(["cmake", "-S", str(src), "-B", str(out), *gen, *flags], log, quiet, "configure")
         cmd = ["cmake", "--build", str(out), "-j", str(jobs), "--target", *TARGETS]
         _run_logged(cmd, log, quiet, "build")
         if not (bin_dir(kind, source) / "llama-server").is_file():
             raise DflashError(f"the build ended without {bin_dir(kind, source)}/llama-server; see {log}")
-        (out / "DONE").write_text(f"{source.package} {source.version} {kind}\n")
+        (out / "DONE").write_text(f"{source.package} {source.version} {kind} {cpu.signature()}\n")
         _say(f"built in {time.monotonic() - t0:.0f} s", quiet)
     return bin_dir(kind, source)

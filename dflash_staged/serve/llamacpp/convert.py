@@ -12,8 +12,10 @@ Contract:
 * **Atomic.** The converter writes a temporary sibling, which is fsynced and renamed; the directory is
   fsynced. A failed conversion leaves no file and raises one line ending with the converter's last
   message (its full output is in ``<out>.log``).
-* **Cached.** Next to the file, ``<out>.source.json`` records the converted directory's files (name,
-  size, mtime) and the outtype: :func:`convert` skips a conversion whose record matches.
+* **Cached.** Next to the file, ``<out>.source.json`` records the converted directory's files (name and
+  an XXH3-128 digest of the content) and the outtype: :func:`convert` skips a conversion whose record
+  matches. Keyed by content, never by size and time: a checkpoint saved again within the same second
+  (the same size, the same whole-second mtime) is converted again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import xxhash
+
 from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import fsync_dir, fsync_path, temp_sibling
 from dflash_staged.serve.llamacpp.build import SOURCE, PinnedSource, ensure_source
@@ -31,10 +35,21 @@ from dflash_staged.serve.llamacpp.build import SOURCE, PinnedSource, ensure_sour
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
+def content_digest(path: Path) -> str:
+    """XXH3-128 of the file's bytes (about 10 GB/s from the page cache: a second for an 8B target's
+    weights, beside minutes of conversion)."""
+    h, buf = xxhash.xxh3_128(), bytearray(1 << 22)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
 def _record(model_dir: Path, outtype: str, target_dir: Path | None) -> dict:
     def files(d: Path) -> list:
         return sorted(
-            [p.name, p.stat().st_size, int(p.stat().st_mtime)]
+            [p.name, content_digest(p)]
             for p in d.iterdir()
             if p.is_file() and (p.suffix in (".json", ".safetensors", ".model", ".txt", ".jinja"))
         )

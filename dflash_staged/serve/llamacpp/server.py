@@ -7,8 +7,16 @@ Contract:
   step: ``accepted a/n draft tokens``; the speculative statistics after each request) and the death
   signal of this process (Linux ``PR_SET_PDEATHSIG``), and returns once ``GET /health`` answers 200.
   A server that exits before it is ready, or that is not ready within ``ready_timeout_s``, raises one
-  line quoting its log's last line; a port taken between the probe and the bind is retried on another
-  port.
+  line quoting its log's last line, naming the signal that killed it (``SIGSEGV``, ``SIGILL``: then the
+  CPU the build was made for, :mod:`.cpu`); a port taken between the probe and the bind is retried on
+  another port.
+* **Weight repacking.** llama.cpp repacks weights for its CPU kernels while it loads them (on an AMX host
+  the AMX buffer type takes q8_0 and the k-quants), and that repacking crashes on some hosts
+  (:func:`~.cpu.has_amx`). A server killed by SIGSEGV, SIGBUS or SIGABRT before it is ready is started once
+  more with ``--no-repack``, said in one line (``say``); :attr:`LlamaServer.repack` then reads
+  ``off after SIGSEGV while loading`` instead of ``on`` (``off`` when ``repack=False`` was asked), for the
+  reports. On an x86 host without AMX ``--no-repack`` changes nothing for this project's outtypes (f32,
+  f16, bf16, q8_0: llama.cpp repacks none of them there).
 * **Stop.** On every exit path of the ``with`` block (an error, Ctrl-C, a normal end) the server's
   process group gets SIGTERM, then SIGKILL after 5 s; if this process is killed, the kernel sends the
   server SIGKILL. Its log (``log``) is kept.
@@ -23,29 +31,38 @@ Contract:
   needs. A target that cannot remove rejected positions (``restore checkpoint`` in the log) re-verifies
   them; those lines are not steps.
 * :meth:`LlamaServer.complete` posts token ids to ``/completion`` (no prompt cache, so each prompt
-  starts cold) and returns the response with ``steps``: the accepted drafts of each verify step,
-  read from the log lines the request produced, and ``draft_calls`` and ``draft_ms``: the request's
-  drafting calls and their time, from llama.cpp's speculative statistics (which count since the start).
+  starts cold) and returns the response with, on a server with a drafter, ``steps``: the accepted drafts
+  of each verify step, read from the log lines the request produced, and ``draft_calls`` and
+  ``draft_ms``: the request's drafting calls and their time, from llama.cpp's speculative statistics
+  (which count since the start). A request whose statistics do not reach the log within 10 s raises one
+  line (the trace is missing: its steps would be wrong, never silently short).
+* **Answers.** An HTTP error, a connection that breaks or a body cut short (``IncompleteRead``), and a
+  body that is not a JSON object each raise one line naming the path and the log.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash_staged.errors import DflashError
 from dflash_staged.procs import die_with_parent
+from dflash_staged.serve.llamacpp import cpu
 
 DRAFT_TIME = re.compile(r"#calls\(b,g,a\) =\s+\d+\s+(\d+).*dur\(b,g,a\) = [\d.]+, ([\d.]+), [\d.]+ ms")
 ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens\s*$", re.M)
+REPACK_CRASHES = ("SIGSEGV", "SIGBUS", "SIGABRT")  # a load killed by one is retried without repacking
 
 
 def free_port() -> int:
@@ -75,11 +92,15 @@ class LlamaServer:
         ready_timeout_s: float = 300.0,
         extra: tuple[str, ...] = (),
         gpu: bool = False,
+        repack: bool = True,
+        say: Callable[[str], None] | None = None,
     ):
         self.bin_dir, self.model, self.log, self.draft = Path(bin_dir), Path(model), Path(log), draft
         self.spec_type, self.n_max, self.threads, self.ctx_size = spec_type, n_max, threads, ctx_size
         self.ready_timeout_s, self.extra, self.kv_type = ready_timeout_s, extra, kv_type
         self.flash_attn, self.gpu = flash_attn, gpu
+        self.repack = "on" if repack and "--no-repack" not in extra else "off"
+        self.say = say or (lambda msg: print(f"llama.cpp: {msg}", file=sys.stderr, flush=True))
         self.proc: subprocess.Popen | None = None
         self._drafts = (0, 0.0)  # the drafter's calls and ms llama.cpp had counted after the last request
         self.port = 0
@@ -104,6 +125,8 @@ class LlamaServer:
                 cmd += ["-td", str(self.threads), "-tbd", str(self.threads)]
             if self.kv_type:
                 cmd += ["-ctkd", self.kv_type, "-ctvd", self.kv_type]
+        if self.repack != "on" and "--no-repack" not in self.extra:
+            cmd += ["--no-repack"]
         return cmd + list(self.extra)
 
     @property
@@ -117,8 +140,9 @@ class LlamaServer:
             return "no log"
         return lines[-1] if lines else "no output"
 
-    def _start_once(self) -> bool:
-        """True when ready; False when the port was taken (try another); raises otherwise."""
+    def _start_once(self) -> bool | str:
+        """True when ready; False when the port was taken (try another); the signal's name when it was
+        killed by one before it was ready; raises otherwise."""
         self.port, self._drafts = free_port(), (0, 0.0)
         env = {**os.environ, "LLAMA_TRACE": "1"}
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
@@ -141,6 +165,9 @@ class LlamaServer:
                 tail = self._log_tail()
                 if "bind" in tail.lower() or "address already in use" in tail.lower():
                     return False
+                sig = cpu.signal_name(self.proc.returncode)
+                if sig:
+                    return sig
                 raise DflashError(
                     f"llama-server exited (code {self.proc.returncode}) before it was ready: {tail} "
                     f"(full log: {self.log})"
@@ -163,14 +190,46 @@ class LlamaServer:
             raise DflashError(f"{self.bin_dir}/llama-server does not exist; run `dflash serve build` first")
         self.log.parent.mkdir(parents=True, exist_ok=True)
         try:
-            for _ in range(3):
-                if self._start_once():
+            tries = 0
+            while tries < 3:
+                got = self._start_once()
+                if got is True:
                     return self
                 self.stop()
+                if got is False:  # the port was taken
+                    tries += 1
+                elif got in REPACK_CRASHES and self.repack == "on":
+                    self.repack = f"off after {got} while loading"
+                    self.say(
+                        f"llama-server was killed by {got} while loading {self.model.name} with weight "
+                        "repacking (a crash of llama.cpp's repacking on this CPU, llama.cpp #20824); "
+                        "starting it once more with --no-repack"
+                    )
+                else:
+                    raise DflashError(self._killed(got))
             raise DflashError(f"llama-server could not bind a loopback port three times (log: {self.log})")
         except BaseException:
             self.stop()
             raise
+
+    def _killed(self, sig: str) -> str:
+        """The line for a server killed by ``sig`` before it was ready."""
+        msg = f"llama-server was killed by {sig} before it was ready"
+        if sig == "SIGILL":
+            from dflash_staged.serve.llamacpp.build import built_for
+
+            rec = built_for(self.bin_dir.parent) or {}
+            missing = cpu.lacks(rec) if rec else []
+            made = f"made for {rec.get('model', 'an unknown CPU')}" + (
+                f", whose {', '.join(missing)} this host lacks" if missing else ""
+            )
+            msg += (
+                f" (an illegal instruction: the build in {self.bin_dir.parent} was {made}); run "
+                "`dflash serve build` on this host for a build of its own"
+            )
+        elif sig in REPACK_CRASHES and self.repack != "on":
+            msg += " even with --no-repack"
+        return f"{msg}: {self._log_tail()} (full log: {self.log})"
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -196,31 +255,53 @@ class LlamaServer:
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
+                raw = r.read()
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:300]
+            try:
+                detail = e.read().decode(errors="replace")[:300]
+            except (OSError, http.client.HTTPException):
+                detail = e.reason
             raise DflashError(
                 f"llama-server answered {e.code} to {path}: {detail} (log: {self.log})"
             ) from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
             alive = self.proc is not None and self.proc.poll() is None
+            how = "did not answer" if alive else "died"
+            sig = None if alive or self.proc is None else cpu.signal_name(self.proc.returncode)
+            how += f" (killed by {sig})" if sig else ""
             raise DflashError(
-                f"llama-server {'did not answer' if alive else 'died'} on {path} ({e}); {self._log_tail()} "
+                f"llama-server {how} on {path} ({type(e).__name__}: {e}); {self._log_tail()} "
                 f"(log: {self.log})"
             ) from None
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            raise DflashError(
+                f"llama-server answered {path} with something other than a JSON object ({raw[:80]!r}) "
+                f"(log: {self.log})"
+            )
+        return out
 
     def _request_log(self, start: int, wait_s: float = 10.0) -> str:
-        """The log written since ``start``, once it holds the request's last timing line (the speculative
-        statistics, or the graphs reused): llama.cpp logs from a thread of its own, so its lines can land
-        after the response."""
+        """The log written since ``start``, once it holds the request's speculative statistics (its last
+        line): llama.cpp logs from a thread of its own, so its lines can land after the response. Raises
+        when they do not come within ``wait_s``."""
         deadline = time.monotonic() + wait_s
         while True:
             with open(self.log, "rb") as f:
                 f.seek(start)
                 text = f.read().decode(errors="replace")
-            marker = "statistics" if self.draft is not None else "graphs reused ="
-            if marker in text or time.monotonic() > deadline:
+            if "statistics" in text:
                 return text
+            if time.monotonic() > deadline:
+                raise DflashError(
+                    f"llama-server logged no speculative statistics for the request within {wait_s:.0f} s "
+                    f"(log: {self.log}): its per-step trace (LLAMA_TRACE=1, -lv 4) is missing, so the "
+                    "request's verify steps are unknown; check that the build is this project's "
+                    "(dflash serve build) and that nothing rotates or truncates the log"
+                )
             time.sleep(0.02)
 
     def complete(
@@ -249,6 +330,8 @@ class LlamaServer:
             "stream": False,
         }
         r = self.post("/completion", body)
+        if self.draft is None:
+            return r
         text = self._request_log(start)
         r["steps"] = [[int(a), int(n)] for a, n in ACCEPTED.findall(text)]
         stats = DRAFT_TIME.findall(text)
