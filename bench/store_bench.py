@@ -7,6 +7,8 @@ ragged samples (64..1024 tokens). Methods, each writing and reading the same byt
 
   store        ShardStore.write_shard / read_shard (read includes the default XXH3-64 verification)
   store+zstd   the same with compression="zstd" (only with --zstd)
+  store-inline the store's read as before it digested large files beside its reads (only with --inline):
+               1 MiB reads, each digested in line; ``read_*_ratio_vs_inline`` is the store's against it
   store+fp8    the same in FP8 (only with --fp8): the write quantises the bf16 states on the CPU, the
                read dequantises them back to bf16 (both timed); GB/s count the same bf16 bytes, so a
                ratio against ``store`` is the speed of moving the same tokens
@@ -130,6 +132,22 @@ class Store:
             dequantize(shard.hidden, shard.hidden_scale, torch.bfloat16)
 
 
+class StoreInline(Store):
+    """The store, read 1 MiB at a time with the digest in line (every file below the overlap threshold)."""
+
+    def __init__(self):
+        super().__init__("none")
+
+    def read(self, d: Path, j: int, sh: dict) -> None:
+        from dflash_staged.store import shardfiles
+
+        was, shardfiles.OVERLAP_MIN = shardfiles.OVERLAP_MIN, 1 << 62
+        try:
+            super().read(d, j, sh)
+        finally:
+            shardfiles.OVERLAP_MIN = was
+
+
 class StoreFp8Io(Store):
     """The FP8 store's disk side alone: states quantised before the timing (extract does it on the GPU),
     read without dequantising (the trainer does it on the GPU)."""
@@ -219,6 +237,9 @@ def main() -> None:
         action="store_true",
         help="also the store in FP8 (quantised in the write, dequantised in the read)",
     )
+    ap.add_argument(
+        "--inline", action="store_true", help="also the store's read with the digest in line (1 MiB reads)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -232,6 +253,8 @@ def main() -> None:
     }
     if args.zstd:
         methods["store+zstd"] = Store("zstd")
+    if args.inline:
+        methods["store-inline"] = StoreInline()
     if args.fp8:
         methods["store+fp8"] = Store("none", "float8_e4m3fn")
         methods["fp8-io"] = StoreFp8Io()
@@ -308,6 +331,11 @@ def main() -> None:
             if args.fp8
             else {}
         ),
+        **(
+            {f"{k}_ratio_vs_inline": ratio("store", "store-inline", k) for k in ("read_cold", "read_warm")}
+            if args.inline
+            else {}
+        ),
         "gbps": {
             m: {k: statistics.median(res[m][k]) for k in ("write", "read_cold", "read_warm")} for m in names
         },
@@ -316,7 +344,9 @@ def main() -> None:
     print(
         "ratios (median of per-run store/baseline): "
         + ", ".join(
-            f"{k}={v:.2f}" for k, v in summary.items() if k.endswith(("raw", "torch_save", "vs_store"))
+            f"{k}={v:.2f}"
+            for k, v in summary.items()
+            if k.endswith(("raw", "torch_save", "vs_store", "vs_inline"))
         )
     )
     if args.json:

@@ -467,3 +467,42 @@ def test_writer_copies_from_cuda(store):
             w.submit(0, job, *(t.cuda() for t in data), on_done=results.append)
     for info in results:
         assert_same(store.read_shard(0, info.job_id, info.checksum), *data)
+
+
+@pytest.mark.parametrize(
+    "where", ["page cache", "disk", "half of each", "a few blocks missing", "no RWF_NOWAIT"]
+)
+def test_a_large_chunk_reads_and_digests_alike_from_the_cache_and_the_disk(tmp_path, monkeypatch, where):
+    """A chunk big enough to be digested beside its reads (``read_chunk``) gives the same bytes and the same
+    XXH3 as one read and one digest, whether the page cache holds it, none of it or half of it, and where
+    the system has no ``RWF_NOWAIT``; a file cut short while it is read is still a truncation."""
+    from dflash_staged.store import shardfiles as sf
+
+    data = np.random.default_rng(0).integers(0, 255, sf.OVERLAP_MIN * 3 + 12345, dtype=np.uint8)
+    path = tmp_path / "c.0"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if where in ("disk", "half of each"):  # evict (all, or the second half) from the page cache
+            half = data.size // 2 if where == "half of each" else 0
+            os.posix_fadvise(fd, half, 0, os.POSIX_FADV_DONTNEED)
+        if where == "a few blocks missing":  # cached, as far as its probes tell, but for two blocks
+            os.posix_fadvise(fd, 7 * sf.BLOCK, 2 * sf.BLOCK, os.POSIX_FADV_DONTNEED)
+            assert sf._cached(fd, data.size)
+        assert sf._cached(fd, data.size) == (where in ("page cache", "a few blocks missing", "no RWF_NOWAIT"))
+        if where == "no RWF_NOWAIT":
+            monkeypatch.setattr(sf, "_NOWAIT", None)
+        view = np.empty_like(data)
+        got = sf.read_chunk(path, view, data.size, True, "none")
+        assert got == sf.hash_hex(data) and np.array_equal(view, data)
+        assert sf.read_chunk(path, np.empty_like(data), data.size, False, "none") == ""
+    finally:
+        os.close(fd)
+    real = os.preadv
+    monkeypatch.setattr(
+        sf.os, "preadv", lambda fd, bufs, pos, *f: 0 if pos > data.size // 2 else real(fd, bufs, pos, *f)
+    )
+    with pytest.raises(sf.ChunkError, match="ended at byte") as e:
+        sf.read_chunk(path, np.empty_like(data), data.size, True, "none")
+    assert e.value.truncated

@@ -6,17 +6,21 @@ before anything that depends on them is renamed into place (a shard's ~17 of the
 can monkeypatch it to simulate a full disk or a writer killed mid-write. Temp entries are named
 ``<prefix>~<pid>~<token>~<host>`` so that :func:`owner_dead` can tell leftovers of dead
 writers from live ones. The checksum (XXH3-64, about 2x the speed of CRC32C here) is computed
-block by block right after each block is read (or before it is written), while the block is
-still in the CPU cache; on 2 busy cores that beat a hash thread overlapping the I/O (which
-competes for a core and re-reads the block from memory). Parallelism comes from reading
-several shards at once.
+block by block before each block is written, while it is in the CPU cache. A read digests what it
+reads as :func:`_read_hashed` says: a small file block by block in line, a large one on a thread
+beside the reads (in line it cost a warm read 0.91 of a plain read, read and digest on one core;
+beside them, 0.95). Parallelism otherwise comes from reading several shards at once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
+import queue
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -195,8 +199,7 @@ def read_chunk(path: Path, view: np.ndarray, stored: int, verify: bool, compress
     """Read chunk file ``path`` (``stored`` bytes on disk) into uint8 ``view``; return its hash (""
     if not ``verify``).
 
-    Uncompressed chunks are read straight into ``view`` (the only copy), block by block, each
-    block hashed while it is in cache.
+    Uncompressed chunks are read straight into ``view`` (the only copy) by :func:`_read_hashed`.
     """
     if view.size == 0:
         return hash_hex(view) if verify else ""
@@ -214,14 +217,132 @@ def read_chunk(path: Path, view: np.ndarray, stored: int, verify: bool, compress
             except Exception as e:
                 raise ChunkError(f"does not decompress ({e})", truncated=False) from None
             return hash_hex(view) if verify else ""
-        mv, h, pos = memoryview(view), new_hash(), 0
-        while pos < size:
-            n = f.readinto(mv[pos : pos + BLOCK])
-            if not n:
-                raise ChunkError(f"ended at byte {pos} of {size}", truncated=True)
-            if verify:
-                h.update(mv[pos : pos + n])
-            pos += n
+        h = new_hash()
+        pos = _read_hashed(f.fileno(), memoryview(view), size, h if verify else None)
         if pos != view.size:
             raise ChunkError(f"holds {pos} bytes, the array needs {view.size}", truncated=pos < view.size)
         return h.hexdigest() if verify else ""
+
+
+def _read_hashed(fd: int, mv: memoryview, size: int, h) -> int:
+    """Read the file's ``size`` bytes into ``mv``, updating ``h`` (None: no digest) in order; returns the
+    bytes read.
+
+    * A file under :data:`OVERLAP_MIN` bytes is read and digested a :data:`BLOCK` at a time, each block
+      while it is in the CPU's cache.
+    * A larger file is digested on a thread of its own, each span while the next is read (xxhash releases
+      the GIL), so the digest costs no read time where a core is free. How it is read depends on whether
+      the page cache holds it (:func:`_cached`, which asks the kernel about a few of its pages):
+    * cached, a block at a time without waiting for the disk (``RWF_NOWAIT``), digested a few blocks
+      (:data:`SPAN`) at a time while they are in the CPU's cache; a block the cache lacks after all is
+      read waiting for it, and after :data:`MISSES` of those the rest is read as if not cached;
+    * not cached, in large reads (half of what is left, at most :data:`MAX_READ`, at least a block): from
+      the disk a large read gets its throughput where 1 MiB reads got about 0.85 of it here; as the reads
+      shrink toward the end, the last span, which nothing overlaps, is a block.
+    """
+    if size < OVERLAP_MIN:
+        pos = 0
+        while pos < size:
+            n = os.preadv(fd, [mv[pos : pos + BLOCK]], pos)
+            if not n:
+                raise ChunkError(f"ended at byte {pos} of {size}", truncated=True)
+            if h is not None:
+                h.update(mv[pos : pos + n])
+            pos += n
+        return pos
+    hasher = _Behind(h) if h is not None else None
+    pos = done = misses = 0
+    cached = _cached(fd, size)
+    try:
+        while pos < size:
+            if cached:
+                try:
+                    n = os.preadv(fd, [mv[pos : pos + BLOCK]], pos, _NOWAIT)
+                except OSError:  # this block is not in the page cache (or it would start a readahead)
+                    misses += 1
+                    cached = misses < MISSES
+                    n = os.preadv(fd, [mv[pos : pos + BLOCK]], pos)
+            else:
+                step = min(MAX_READ, max(BLOCK, (size - pos) // 2))
+                n = os.preadv(fd, [mv[pos : pos + step]], pos)
+            if not n:
+                raise ChunkError(f"ended at byte {pos} of {size}", truncated=True)
+            pos += n
+            if hasher is not None and (pos - done >= SPAN or not cached or pos >= size):
+                hasher.put(mv[done:pos])
+                done = pos
+    finally:
+        if hasher is not None:
+            hasher.close()
+    return pos
+
+
+def _cached(fd: int, size: int, probes: int = 8) -> bool:
+    """Whether the page cache holds the file: all but one of ``probes`` pages spread over it are resident
+    (``mincore``, which starts no read, where a one-byte ``RWF_NOWAIT`` read would start a readahead at
+    each probe and scatter the disk's work). False where ``mincore`` cannot be called."""
+    if _NOWAIT is None or _libc is None:
+        return False
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return False
+    try:
+        vec, hits = ctypes.create_string_buffer(1), 0
+        for k in range(probes):
+            page = (size * k // probes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if _libc.mincore(addr + page, 1, vec) == 0:
+                hits += vec.raw[0] & 1
+        return hits >= probes - 1
+    finally:
+        _libc.munmap(addr, size)
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+OVERLAP_MIN = 16 * BLOCK  # files this big are digested on a thread beside the reads
+SPAN = 4 * BLOCK  # what the digest thread is handed at a time from the page cache (0.97 of a plain read
+# warm here, against 0.95 a block at a time and 0.93 in line)
+MISSES = 8  # blocks a cached file may lack before the rest is read as not cached
+MAX_READ = 256 * BLOCK  # the largest read from the disk (half of what is left: cold shard reads at 0.99 of
+# one plain read each here, against 0.92 with a quarter, at most 64 MiB, and 0.85 a block at a time)
+
+
+class _Behind:
+    """Feeds spans, in order, to a hash on a thread of its own (see :func:`read_chunk`)."""
+
+    def __init__(self, h):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.t = threading.Thread(target=self._run, args=(h,), name="dflash-digest", daemon=True)
+        self.t.start()
+
+    def _run(self, h) -> None:
+        while (span := self.q.get()) is not None:
+            h.update(span)
+
+    def put(self, span) -> None:
+        self.q.put(span)
+
+    def close(self) -> None:
+        """Returns once every span handed over is hashed."""
+        self.q.put(None)
+        self.t.join()
