@@ -139,11 +139,10 @@ def assistant_message(content: str, reasoning: str | None = None) -> dict:
 
 def _fold_reasoning(m: dict) -> dict:
     """``m`` for a template that does not read ``reasoning_content``: the reasoning back in the content."""
-    r = m.get(REASONING)
-    if not r:
-        return {k: v for k, v in m.items() if k != REASONING} if REASONING in m else m
-    rest = {k: v for k, v in m.items() if k != REASONING}
-    return {**rest, "content": f"{THINK_OPEN}\n{r}\n{THINK_CLOSE}\n\n{m.get('content') or ''}"}
+    if REASONING not in m:
+        return m
+    rest, r = {k: v for k, v in m.items() if k != REASONING}, m[REASONING]
+    return {**rest, "content": f"{THINK_OPEN}\n{r}\n{THINK_CLOSE}\n\n{m.get('content') or ''}"} if r else rest
 
 
 _DEFAULT = ChatOptions()

@@ -248,6 +248,13 @@ def eval_cmd(
                 f"{a['identical_prompts']}/{a['prompts']} prompts identical, "
                 f"tau {a['tau_served']:.3f} vs {a['tau_eval']:.3f}"
             )
+    said = {r["repack"] for r in report["runs"]} | {
+        r["baseline"]["repack"] for r in report["runs"] if "baseline" in r
+    }
+    click.echo(
+        "weight repacking: "
+        + ("on in every server (none crashed while loading)" if said == {"on"} else "; ".join(sorted(said)))
+    )
     for r in report.get("recommended", []):
         click.echo(
             f"fastest here at {r['outtype']}, T={r['temperature']}: --spec-draft-n-max {r['n_max']} "

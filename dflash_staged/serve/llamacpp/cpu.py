@@ -11,9 +11,9 @@ Contract:
   for each and never hands one of them a binary with instructions it lacks (:func:`lacks` says which).
   Where ``/proc/cpuinfo`` is not there (not Linux), the flags are empty and the signature is the machine
   type's.
-* **AMX.** :func:`has_amx`: the host has Intel AMX (``amx_int8``), whose weight repacking in llama.cpp
-  (the AMX buffer type, used for q8_0 and the k-quants) crashes on some hosts (llama.cpp issue #20824,
-  closed unfixed; seen here on a 2-core Xeon with the planted tiny target at q8_0).
+* **Printed commands.** :func:`printed_no_repack`: whether a ``llama-server`` line for a user to run
+  carries ``--no-repack`` (llama.cpp's AMX repacking crashes on some hosts: llama.cpp #20824, closed
+  unfixed; seen on a 2-core Xeon with the planted tiny target at q8_0).
 * :func:`signal_name`: a process's negative return code as the signal's name (``-11`` -> ``SIGSEGV``).
 """
 
@@ -78,10 +78,6 @@ def record() -> dict:
 def lacks(built_for: dict) -> list[str]:
     """The instruction sets of ``built_for`` (a :func:`record`) that this host does not have."""
     return sorted(set(built_for.get("isa") or ()) - set(isa_flags()))
-
-
-def has_amx() -> bool:
-    return "amx_int8" in isa_flags()
 
 
 def signal_name(returncode: int | None) -> str | None:

@@ -11,8 +11,8 @@ Contract:
   CPU the build was made for, :mod:`.cpu`); a port taken between the probe and the bind is retried on
   another port.
 * **Weight repacking.** llama.cpp repacks weights for its CPU kernels while it loads them (on an AMX host
-  the AMX buffer type takes q8_0 and the k-quants), and that repacking crashes on some hosts
-  (:func:`~.cpu.has_amx`). A server killed by SIGSEGV, SIGBUS or SIGABRT before it is ready is started once
+  the AMX buffer type takes q8_0 and the k-quants), and that repacking crashes on some hosts (llama.cpp
+  #20824). A server killed by SIGSEGV, SIGBUS or SIGABRT before it is ready is started once
   more with ``--no-repack``, said in one line (``say``); :attr:`LlamaServer.repack` then reads
   ``off after SIGSEGV while loading`` instead of ``on`` (``off`` when ``repack=False`` was asked), for the
   reports. On an x86 host without AMX ``--no-repack`` changes nothing for this project's outtypes (f32,
