@@ -33,6 +33,15 @@ def served(tmp_path_factory, llama_bin):
     return {"root": root, "target_dir": tdir, "target": served_target(tdir), "prompts": ps, "file": path}
 
 
+def fitted(served, family: str):
+    """The module's drafter of ``family`` fitted to the planted target (trained once, then reused)."""
+    ckpt = served["root"] / family / "ckpt"
+    if not (ckpt / "config.json").is_file():
+        args = (served["target"], served["target_dir"], served["prompts"], NEW_TOKENS)
+        fitted_checkpoint(ckpt, family, *args)
+    return ckpt
+
+
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
 def test_served_tau_equals_dflash_eval_step_for_step(served, family):
     """Greedy through llama-server: the outputs equal the server's plain greedy decoding and ``dflash
@@ -46,9 +55,7 @@ def test_served_tau_equals_dflash_eval_step_for_step(served, family):
     from dflash_staged.serve.report import agreement
 
     root = served["root"] / family
-    ckpt = fitted_checkpoint(
-        root / "ckpt", family, served["target"], served["target_dir"], served["prompts"], NEW_TOKENS
-    )
+    ckpt = fitted(served, family)
     rep = serve_eval(
         ckpt,
         served["target_dir"],
@@ -162,16 +169,7 @@ def test_export_command_and_q8_0_serving(served, tmp_path):
     from dflash_staged.cli import main
     from dflash_staged.serve.evaluate import serve_eval
 
-    ckpt = served["root"] / "dflash2" / "ckpt"
-    if not ckpt.is_dir():
-        ckpt = fitted_checkpoint(
-            tmp_path / "ckpt",
-            "dflash2",
-            served["target"],
-            served["target_dir"],
-            served["prompts"],
-            NEW_TOKENS,
-        )
+    ckpt = fitted(served, "dflash2")
     args = ["serve", "export", "--drafter", str(ckpt), "--target", str(served["target_dir"])]
     r = CliRunner().invoke(
         main, [*args, "--out", str(tmp_path / "gguf"), "--outtype", "q8_0", "--with-target"]
@@ -237,9 +235,7 @@ def test_a_crash_while_repacking_is_retried_once_without_it_and_reported(
         assert srv.complete([5, 6, 7], 4)["tokens"]
     assert len(said) == 1 and "killed by SIGSEGV while loading" in said[0] and "--no-repack" in said[0]
 
-    ckpt = fitted_checkpoint(
-        tmp_path / "ckpt", "dflash", served["target"], served["target_dir"], served["prompts"], NEW_TOKENS
-    )
+    ckpt = fitted(served, "dflash")
     monkeypatch.setattr(llama_build, "build", lambda kind, quiet=False: bin_dir)
     rep = serve_eval_quiet(ckpt, served, tmp_path / "serve")
     (run,) = rep["runs"]

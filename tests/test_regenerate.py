@@ -198,7 +198,7 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_runs_lock_goes_wit
     """Two runs on one --out would lose answers (the first to finish removes the parts the other still
     appends to): while one runs, a second is refused in one line naming it and touches nothing; a run
     killed with -9 holds nothing, so the rerun goes on and finishes with each line once."""
-    prompts, out = write_prompts(tmp_path / "p.jsonl", 24), tmp_path / "out.jsonl"
+    prompts, out = write_prompts(tmp_path / "p.jsonl", 12), tmp_path / "out.jsonl"
     args = ["--prompts", prompts, "--batch-size", 2, "--max-new-tokens", 6, "--out", out]
     cmd = [sys.executable, "-m", "dflash_staged", "regenerate", "--target", "tiny:qwen3", *map(str, args)]
     p = subprocess.Popen(
@@ -223,5 +223,5 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_runs_lock_goes_wit
         p.wait()
     code, text = regen(*args)
     assert code == 0, text
-    assert [r["regenerated"]["line"] for r in lines(out)] == list(range(1, 25))
+    assert [r["regenerated"]["line"] for r in lines(out)] == list(range(1, 13))
     assert not (tmp_path / "out.jsonl.lock").exists() and not parts.exists()
