@@ -345,6 +345,24 @@ def test_checkpoints_keep_the_newest_and_refuse_another_format(tmp_path):
         ckpt.load_checkpoint(latest)
 
 
+def test_a_checkpoint_holds_one_safetensors_file_at_its_top_and_the_old_layout_resumes(tmp_path):
+    """Serving engines load every *.safetensors at the top of a directory: only the drafter's may be there.
+    A version-1 checkpoint (trainer_state.safetensors at the top) still loads."""
+    state = ckpt.TrainerState({"step": 5}, {"master.w": torch.arange(4.0)})
+    out = ckpt.save_checkpoint(
+        tmp_path, 5, write_drafter=lambda d: (d / "model.safetensors").write_bytes(b""), state=state, keep=2
+    )
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert (out / ckpt.TRAINER_TENSORS).is_file()
+    old = out / ckpt.LEGACY_TRAINER_TENSORS
+    (out / ckpt.TRAINER_TENSORS).rename(old)
+    (out / "trainer").rmdir()
+    st = json.loads((out / "trainer_state.json").read_text())
+    (out / "trainer_state.json").write_text(json.dumps({**st, "format_version": 1}))
+    loaded = ckpt.load_checkpoint(out)
+    assert loaded["step"] == 5 and torch.equal(loaded.tensors["master.w"], torch.arange(4.0))
+
+
 # ---------------------------------------------------------------------------------------------- loop helpers
 def test_microbatches_cover_every_token_once_within_the_budget(live):
     m, store = live

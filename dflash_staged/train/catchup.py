@@ -49,9 +49,9 @@ def _send_or_receive(dist, src: int, receive: bool, here: Path | None, target: P
     with atomic_dir(target, replace=True) if receive else contextlib.nullcontext() as tmp:
         for rel, size, digest in files:
             h = xxhash.xxh3_64()
-            out = open(tmp / rel, "wb") if receive else None  # noqa: SIM115 - closed below
-            if out is not None:
+            if receive:  # a checkpoint has subfolders (trainer/)
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            out = open(tmp / rel, "wb") if receive else None  # noqa: SIM115 - closed below
             src_f = open(here / rel, "rb") if dist.rank == src else None  # noqa: SIM115
             try:
                 for off in range(0, size, CHUNK):

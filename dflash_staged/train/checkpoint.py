@@ -3,11 +3,12 @@
 Format, version :data:`FORMAT_VERSION` (one directory per checkpoint; no pickle anywhere)::
 
     RUN_DIR/checkpoints/step_{step:08d}/
-        config.json               the drafter in the reference DFlash format (servable as is;
+        config.json               the drafter in the reference DFlash format (servable as is:
         model.safetensors         weights in the dtype config.json declares), see model.weights
-        trainer_state.safetensors "master.<param>"            fp32 master weights
+        trainer/trainer_state.safetensors
+                                  "master.<param>"            fp32 master weights
                                   "opt.<param>.exp_avg", "opt.<param>.exp_avg_sq"   AdamW moments
-        trainer_state.json        {"format_version": 1,
+        trainer_state.json        {"format_version": 2,
                                    "step": optimizer steps completed,
                                    "total_steps": the lr/noise schedule's length,
                                    "opt_steps": AdamW's step count,
@@ -24,6 +25,12 @@ Format, version :data:`FORMAT_VERSION` (one directory per checkpoint; no pickle 
                                    "chat": the manifest's chat rendering record (template text and
                                            kwargs; dflash eval renders prompts with it),
                                    "time": unix seconds}
+
+The trainer's tensors live in the ``trainer/`` subfolder because the serving engines load every
+``*.safetensors`` file at the top of the directory they are given (vLLM refuses ``master.*`` as keys no
+module has): the checkpoint directory itself is what a user serves. Version 1 (before 2026-12) kept
+``trainer_state.safetensors`` beside ``model.safetensors``; such checkpoints still resume and warm-start
+(:func:`trainer_tensors_file`).
 
 In memory the format is one :class:`TrainerState`. Each stateful component of the trainer gives
 and restores its own part of it (:class:`Stateful`: ``state_dict`` / ``load_state_dict``), so
@@ -57,7 +64,19 @@ from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import atomic_dir, dir_bytes
 from dflash_staged.train.ledger import Consumed
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: trainer_state.safetensors at the top of the directory
+TRAINER_TENSORS = "trainer/trainer_state.safetensors"
+LEGACY_TRAINER_TENSORS = "trainer_state.safetensors"
+
+
+def trainer_tensors_file(ckpt_dir: Path) -> Path:
+    """The trainer-state tensors of checkpoint ``ckpt_dir``: ``trainer/`` (version 2), else the top of the
+    directory (version 1)."""
+    new = Path(ckpt_dir) / TRAINER_TENSORS
+    return new if new.exists() else Path(ckpt_dir) / LEGACY_TRAINER_TENSORS
+
+
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
@@ -219,9 +238,10 @@ def save_checkpoint(
         with atomic_dir(checkpoints_dir(run_dir) / f"step_{step:08d}", replace=True) as tmp:
             write_drafter(tmp)
             drafter_bytes = dir_bytes(tmp)
+            (tmp / TRAINER_TENSORS).parent.mkdir()
             save_file(
                 {k: v.detach().contiguous().cpu() for k, v in state.tensors.items()},
-                str(tmp / "trainer_state.safetensors"),
+                str(tmp / TRAINER_TENSORS),
             )
             values = {**state.values, "format_version": FORMAT_VERSION}
             (tmp / "trainer_state.json").write_text(json.dumps(values, sort_keys=True))
@@ -264,7 +284,7 @@ def _full_error(
 def load_checkpoint(path: Path) -> TrainerState:
     """The trainer state of a checkpoint directory; CheckpointError if it cannot be read."""
     try:
-        tensors = load_file(str(path / "trainer_state.safetensors"))
+        tensors = load_file(str(trainer_tensors_file(path)))
         state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(
@@ -273,9 +293,10 @@ def load_checkpoint(path: Path) -> TrainerState:
             "directory, or start a new --out run"
         ) from None
     version = state.get("format_version", 1)  # the first format had no version key
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
             f"checkpoint {path} has trainer-state format_version {version}; this dflash-staged "
-            f"reads {FORMAT_VERSION}: resume it with the version that wrote it, or start a new --out"
+            f"reads {', '.join(map(str, READABLE_VERSIONS))}: resume it with the version that wrote it, "
+            "or start a new --out"
         )
     return TrainerState(state, tensors, Path(path))

@@ -286,7 +286,9 @@ def warm_start(drafter, path: Path) -> Path:
             f"{drafter.family.name} one ({drafter.family.architecture}); warm-start from a drafter of the "
             "same family"
         )
-    masters = ck / "trainer_state.safetensors"
+    from dflash_staged.train.checkpoint import trainer_tensors_file
+
+    masters = trainer_tensors_file(ck)
     if masters.is_file():
         state = {
             k[len("master.") :]: v for k, v in load_file(str(masters)).items() if k.startswith("master.")
