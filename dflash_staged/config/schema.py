@@ -54,6 +54,13 @@ class TargetConfig:
     # token, without its last layer or head in the trainer (store/shard_store.py). 0 = off.
     store_topk: int = 0
     topk_temperature: float = 1.0  # the temperature the stored top-k log-probabilities are taken at
+    # The engine extract runs the target on: "transformers" (in this process, early-stopped forward, --tp
+    # groups of this project) or "vllm" (one vLLM engine per extract worker, its hidden-state extractor;
+    # --tp N is vLLM's tensor parallel; see dflash_staged/extract/vllm/engine.py).
+    engine: str = "transformers"
+    vllm_expert_parallel: bool = False  # engine = "vllm": vLLM's expert parallel for an MoE target
+    # engine = "vllm": more vllm.LLM arguments (quantization, max_model_len, gpu_memory_utilization, ...)
+    vllm_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(
@@ -68,6 +75,14 @@ class TargetConfig:
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             f"target.dtype={self.dtype!r}: use one of auto, float32, bfloat16, float16",
         )
+        _check(
+            self.engine in ("transformers", "vllm"),
+            f"target.engine={self.engine!r}: use transformers or vllm",
+        )
+        if self.engine == "vllm":
+            from dflash_staged.config.vllm_target import check_vllm_target
+
+            check_vllm_target(self)
         _check(
             all(i >= 0 for i in self.target_layer_ids),
             f"target.target_layer_ids={self.target_layer_ids}: layer ids must be >= 0",

@@ -88,9 +88,12 @@ def batch_tensors(m, job):
 
 
 def job_forward(target, ids: torch.Tensor, attn: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """The tapped states of one job's right-padded batch, packed without the padding."""
+    """The tapped states of one job's right-padded batch, packed without the padding (a vLLM engine,
+    :mod:`dflash_staged.extract.vllm.engine`, takes the sequences unpadded)."""
     from dflash_staged.model.target import pack_unpadded
 
+    if hasattr(target, "capture_packed"):
+        return target.capture_packed([ids[i, :n] for i, n in enumerate(lengths)])
     return pack_unpadded(target.capture(ids, attn), lengths)
 
 

@@ -36,6 +36,7 @@ class ExtractOptions:
     trainer_seen: bool = False  # this process saw a live trainer (extract.worker.should_stay)
     node_local: bool = False  # a store per node (dflash_staged.manifest.layout): windows per node
     node: str | None = None  # with node_local, this node's name (set by run_extract)
+    engine: str = "transformers"  # target.engine (set by run_extract): "vllm" = one process per worker
 
     def __post_init__(self) -> None:
         self.collective_timeout_s = self.collective_timeout_s or self.lease_s

@@ -88,7 +88,9 @@ class _Worker:
         self.wait_since = 0.0
         self.queue = ctx.Queue()
         self.procs = []
-        for r in range(len(self.devices)):
+        if opts.engine == "vllm":  # one process holds the engine; vLLM starts its own tensor-parallel ranks
+            init = None
+        for r in range(1 if opts.engine == "vllm" else len(self.devices)):
             name = f"extract-{self.index}" + (f"-rank{r}" if init else "")
             self.procs.append(
                 SpawnedChild(ctx, name, worker_main, (self.index, self.devices, r, opts, self.queue, init))
@@ -131,6 +133,7 @@ def run_extract(opts: ExtractOptions) -> int:
     opts.trainer_deadline = time.time() + (TRAINER_COMING_S if opts.trainer_coming else TRAINER_GRACE_S)
     m = Manifest.open(opts.manifest)
     opts.node = node_of(settle_layout(m, opts.node_local, "dflash extract"))
+    opts.engine = m.config.target.engine
     window = WindowSettings(
         opts.window, opts.window_bytes, len(opts.groups), shard_bytes_max(m, opts) if opts.window_bytes else 0
     )
@@ -139,7 +142,7 @@ def run_extract(opts: ExtractOptions) -> int:
         raise DflashError(err)
     if warn:
         click.echo(f"warning: {warn}", err=True)
-    if opts.tp > 1:
+    if opts.tp > 1 and opts.engine == "transformers":  # vLLM checks its own tensor parallel
         from dflash_staged.model.target.dims import target_text_config
         from dflash_staged.model.target.parallel import check_tp
 
@@ -177,7 +180,9 @@ class ExtractSupervisor:
         m, opts = self.m, self.opts
         proc_id = m.register("extract", info={"devices": opts.devices, "tp": opts.tp})
         try:
-            self.tmp = tempfile.mkdtemp(prefix="dflash-tp-") if opts.tp > 1 else None
+            self.tmp = (
+                tempfile.mkdtemp(prefix="dflash-tp-") if opts.tp > 1 and opts.engine != "vllm" else None
+            )
             with self.children.forwarding(signal.SIGINT, signal.SIGTERM):
                 try:
                     for w in self.workers:

@@ -212,6 +212,26 @@ def _loop(
         publisher.submit(job, hidden, packed_ids, loss_mask, cu, sample_ids, topk)
 
 
+def _load(cfg: Config, devices: list[str], device: str, m: Manifest, opts: ExtractOptions, tp: int):
+    """The target of this worker: a transformers model (a rank's slice with ``tp > 1``) or a vLLM engine."""
+    layer_ids = m.meta.get("layer_ids") or None
+    transform = (cfg.drafter.output_multiplier, cfg.drafter.final_logit_softcapping)
+    if opts.engine == "vllm":
+        from dflash_staged.extract.vllm.engine import VllmTarget
+
+        return VllmTarget(cfg, devices, layer_ids, cfg.drafter.num_hidden_layers, transform, opts.store)
+    from dflash_staged.model.target import load_target
+
+    return load_target(
+        cfg.target,
+        device,
+        layer_ids=layer_ids,
+        num_draft_layers=cfg.drafter.num_hidden_layers,
+        tp=tp,
+        logit_transform=transform,
+    )
+
+
 def worker_main(
     index: int, devices: list[str], rank: int, opts: ExtractOptions, status_q, init_file: str | None = None
 ) -> None:
@@ -227,14 +247,18 @@ def worker_main(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a follower waits for its leader's "stop"
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     device = devices[rank]
-    bind_device(device)  # before anything touches CUDA
-    if device.startswith("cpu"):
+    vllm = opts.engine == "vllm"  # one process, one engine (extract.vllm.engine): vLLM places itself
+    if not vllm:
+        bind_device(device)  # before anything touches CUDA
+    if device.startswith("cpu") and not vllm:
         n = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         torch.set_num_threads(n or max(1, (os.cpu_count() or 1) // max(1, len(opts.devices))))
     who = index if rank == 0 else f"{index} rank {rank}"
     try:
         group = (
-            Group.join(devices, rank, init_file, opts.collective_timeout_s) if len(devices) > 1 else Group()
+            Group.join(devices, rank, init_file, opts.collective_timeout_s)
+            if len(devices) > 1 and not vllm
+            else Group()
         )
     except Exception as e:  # noqa: BLE001 - e.g. a sibling died before the group met
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -250,18 +274,9 @@ def worker_main(
     if opts.dtype:
         cfg.target.dtype = opts.dtype
     cfg.target.allow_slow_kernels = cfg.target.allow_slow_kernels or opts.allow_slow_kernels
-    from dflash_staged.model.target import load_target
-
     error = None
     try:
-        target = load_target(
-            cfg.target,
-            device,
-            layer_ids=m.meta.get("layer_ids") or None,
-            num_draft_layers=cfg.drafter.num_hidden_layers,
-            tp=group.size,
-            logit_transform=(cfg.drafter.output_multiplier, cfg.drafter.final_logit_softcapping),
-        )
+        target = _load(cfg, devices, device, m, opts, group.size)
         store = open_store_for(m, opts.store, target, cfg) if group.leader else None
     except Exception as e:  # noqa: BLE001 - reported; every rank of a group stops together
         error = (e, traceback.format_exc())
@@ -328,6 +343,8 @@ def worker_main(
         except DflashError:
             pass  # the manifest is unreachable: those claims return to pending when their leases expire
         m.close()
+        if hasattr(target, "close"):  # a vLLM engine: its ranks and its scratch
+            target.close()
         if code == EXIT_RESTART:
             exit_at_once(code, status_q)
         group.close()

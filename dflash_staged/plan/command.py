@@ -37,6 +37,12 @@ def plan_manifest(
     if "://" not in manifest_dir:  # a directory (SQLite): one line now if it cannot be written
         writable_dir(manifest_dir, "--manifest")
     dims = target_dims(cfg.target)
+    if cfg.target.engine == "vllm":  # what vLLM's extractor cannot serve, refused before anything is written
+        from dflash_staged.config.vllm_target import check_vllm_model
+        from dflash_staged.model.target.dims import target_text_config
+
+        text = target_text_config(cfg.target)
+        check_vllm_model(text.model_type, text.to_dict(), f"target.model={cfg.target.model!r}")
     layer_ids = resolve_layer_ids(cfg.target, dims.num_layers, cfg.drafter.num_hidden_layers)
     tokenizer = load_tokenizer(cfg.target)
     notes = check_drafter(cfg, config_path, dims, layer_ids, tokenizer)  # before the data is read or written

@@ -69,7 +69,7 @@ def _weights_fingerprint(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def _target_id(cfg: TargetConfig, model_config) -> str:
+def target_id_of(cfg: TargetConfig, model_config) -> str:
     name = cfg.model + (f"/{cfg.gguf_file}" if cfg.gguf_file else "")
     if cfg.model.startswith("tiny:"):
         rev = f"seed{cfg.seed}"
@@ -171,7 +171,7 @@ def load_target(
     target = Target(
         model,
         layer_ids,
-        _target_id(cfg, model_config),
+        target_id_of(cfg, model_config),
         device,
         model_config,
         last_layer=cfg.store_last_layer,

@@ -72,6 +72,37 @@ def target_logits(
     return transform_logits(head(norm(last)).float(), multiplier, softcap)
 
 
+def topk_log_probs(
+    last: torch.Tensor,
+    norm: Callable[[torch.Tensor], torch.Tensor],
+    head: Callable[[torch.Tensor], torch.Tensor],
+    k: int,
+    temperature: float,
+    transform: tuple[float, float | None],
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-``k`` next-token log-probabilities at ``temperature`` from the last decoder layer's outputs
+    ``last [T, H]``: :func:`target_logits` with ``transform`` over the temperature, log-probabilities over
+    the whole vocabulary in fp32 (:func:`log_probs`), ``chunk`` tokens at a time -> (ids ``[T, k]`` int32,
+    most likely first; log-probabilities ``[T, k]`` float16; the log of the mass outside them ``[T]``
+    float32, the logsumexp of the others': exact however small, ``-inf`` when ``k`` covers the vocabulary).
+    Both extract engines form the stored top-k with it."""
+    multiplier, softcap = transform
+    n, dev = last.shape[0], last.device
+    ids = torch.empty(n, k, dtype=torch.int32, device=dev)
+    logp = torch.empty(n, k, dtype=torch.float16, device=dev)
+    logtail = torch.empty(n, dtype=torch.float32, device=dev)
+    for s in range(0, n, chunk):
+        z = target_logits(last[s : s + chunk], norm, head, multiplier, softcap)
+        lp = log_probs(z.div_(temperature))
+        del z
+        v, i = lp.topk(k, dim=-1)
+        ids[s : s + chunk], logp[s : s + chunk] = i, v.clamp_min(-60000.0)
+        logtail[s : s + chunk] = torch.logsumexp(lp.scatter_(1, i, float("-inf")), -1)
+        del lp
+    return ids, logp, logtail
+
+
 def declared_transform(text_config) -> tuple[float, float]:
     """``(multiplier, softcap)`` as the target's (text) config declares them (softcap 0: none)."""
     multiplier = float(getattr(text_config, "logit_scale", None) or 1.0)

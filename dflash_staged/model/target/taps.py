@@ -16,7 +16,7 @@ import torch
 from dflash_staged.config import TargetConfig, dflash_target_layers
 from dflash_staged.errors import DflashError
 from dflash_staged.model.target.dims import text_config
-from dflash_staged.model.target.logits import check_transform, declared_transform, log_probs, target_logits
+from dflash_staged.model.target.logits import check_transform, declared_transform, topk_log_probs
 from dflash_staged.model.target.preflight import is_hybrid_config
 
 # Candidate locations of the decoder layer list, most common first.
@@ -206,28 +206,10 @@ class Target:
     @torch.inference_mode()
     def topk_of(self, last: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, ...]:
         """The target's top-``topk`` next-token log-probabilities at ``topk_temperature`` from its last
-        decoder layer's outputs ``last [T, H]`` (before the final norm): its logits as
-        :func:`~dflash_staged.model.target.logits.target_logits` forms them (final norm, head, the run's
-        ``logit_transform``) over the temperature, their log-probabilities over the whole vocabulary in
-        fp32 (:func:`~dflash_staged.model.target.logits.log_probs`), ``chunk`` tokens at a time -> (ids
-        ``[T, k]`` int32, most likely first; log-probabilities ``[T, k]`` float16; the log of the mass
-        outside them ``[T]`` float32, the logsumexp of the others' log-probabilities: exact however
-        small, ``-inf`` when ``k`` covers the vocabulary)."""
+        decoder layer's outputs ``last [T, H]`` (before the final norm), through its own final norm and
+        head: :func:`~dflash_staged.model.target.logits.topk_log_probs` (the shapes and dtypes it gives)."""
         norm, head = self._final_norm(), self.model.get_output_embeddings()
-        multiplier, softcap = self.logit_transform
-        n, dev = last.shape[0], last.device
-        ids = torch.empty(n, self.topk, dtype=torch.int32, device=dev)
-        logp = torch.empty(n, self.topk, dtype=torch.float16, device=dev)
-        logtail = torch.empty(n, dtype=torch.float32, device=dev)
-        for s in range(0, n, chunk):
-            z = target_logits(last[s : s + chunk], norm, head, multiplier, softcap)
-            lp = log_probs(z.div_(self.topk_temperature))
-            del z
-            v, i = lp.topk(self.topk, dim=-1)
-            ids[s : s + chunk], logp[s : s + chunk] = i, v.clamp_min(-60000.0)
-            logtail[s : s + chunk] = torch.logsumexp(lp.scatter_(1, i, float("-inf")), -1)
-            del lp
-        return ids, logp, logtail
+        return topk_log_probs(last, norm, head, self.topk, self.topk_temperature, self.logit_transform, chunk)
 
     def _final_norm(self) -> torch.nn.Module:
         """The norm after the last decoder layer: the ``norm`` beside the layer list."""
