@@ -117,6 +117,13 @@ def test_vllm_aux_ids_are_dflash_layers_plus_one():
     assert aux_layer_ids([1, 27, 29]) == [2, 28, 30]
 
 
+def test_a_worker_sees_its_own_gpus_within_what_the_launcher_left_visible():
+    from dflash_staged.extract.vllm.engine import visible_devices
+
+    assert visible_devices(["cuda:0", "cuda:1"], None) == "0,1"
+    assert visible_devices(["cuda:1", "cuda:2"], "4,5,6") == "5,6"
+
+
 def test_what_vllm_cannot_extract_is_refused_with_one_line(tmp_path, target_dir):
     from dflash_staged.config import ConfigError, TargetConfig
 

@@ -60,6 +60,19 @@ def kv_cache_gib(text, tokens: int, stored: int) -> int:
     return max(1, math.ceil(2 * tokens * per_token / (1 << 30)))
 
 
+def visible_devices(devices: list[str], visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a worker on ``devices`` (``cuda:N``, numbered within ``visible``, the
+    variable as the worker found it: a launcher may have narrowed it already)."""
+    seen = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
+    picked = []
+    for d in devices:
+        n = torch.device(d).index or 0
+        if seen is not None and n >= len(seen):
+            raise DflashError(f"--devices {d}: CUDA_VISIBLE_DEVICES={visible} shows {len(seen)} GPU(s)")
+        picked.append(seen[n] if seen is not None else str(n))
+    return ",".join(picked)
+
+
 def clean_scratch(root: Path) -> None:
     """Remove the scratch folders of this host's extract workers that are gone (a crash left them)."""
     host = socket.gethostname()
@@ -133,7 +146,9 @@ class VllmTarget:
 
     def _engine(self, tcfg, devices: list[str], tokens: int, text):
         if self.device.type == "cuda":  # before anything touches CUDA: vLLM numbers the group's GPUs from 0
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(torch.device(d).index or 0) for d in devices)
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(
+                devices, os.environ.get("CUDA_VISIBLE_DEVICES")
+            )
         else:
             os.environ.setdefault(
                 "VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(text, tokens, len(self.captured_ids)))
