@@ -84,6 +84,7 @@ def child(mode: str, manifest: str, rounds: int) -> dict:
                 llm.generate([TokensPrompt(prompt_token_ids=s.tolist()) for s in job[3]], sp, use_tqdm=False)
         else:
             target = engine.VllmTarget(cfg, ["cpu"], None, cfg.drafter.num_hidden_layers, (1.0, None), store)
+            target.start()
             gen, step = target.llm.generate, target.llm.llm_engine.step
             import safetensors.torch as st
 

@@ -278,6 +278,8 @@ def worker_main(
     try:
         target = _load(cfg, devices, device, m, opts, group.size)
         store = open_store_for(m, opts.store, target, cfg) if group.leader else None
+        if hasattr(target, "start"):  # a vLLM engine starts once its store exists (its scratch is in it)
+            target.start()
     except Exception as e:  # noqa: BLE001 - reported; every rank of a group stops together
         error = (e, traceback.format_exc())
     try:

@@ -26,8 +26,9 @@ The contract:
 * **Scratch.** The connector (:mod:`dflash_staged.extract.vllm.connector`) writes each sequence's states
   to one file in ``STORE/.vllm-scratch/HOST-PID/``, atomically; the worker reads and removes them before
   it claims the next job, so the scratch holds at most one job's states (the size of its shard before
-  compression) per worker. A worker's scratch left by a crash is removed by the next worker started on
-  that host (:func:`clean_scratch`).
+  compression) per worker. vLLM's own temporary files (the rendezvous file it leaves in ``/tmp`` even on a
+  clean exit) go there too. The folder is removed when the worker stops, and one left by a crash by the
+  next worker started on that host (:func:`clean_scratch`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import math
 import os
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import torch
@@ -138,11 +140,17 @@ class VllmTarget:
             head = load_embed_and_head(tcfg, torch.float32, self.device)[1]
             self._head = lambda x: x.float() @ head.T
         self.scratch = Path(store) / SCRATCH / f"{socket.gethostname()}-{os.getpid()}"
+        self._start = (tcfg, devices, max(cfg.data.token_budget, cfg.data.max_len + 1), text)
+        self.llm = None
+
+    def start(self) -> None:
+        """Start the engine (after the store exists: the scratch is in it, and a store is only created in
+        an empty directory). vLLM's own temporary files (its rendezvous file) go to the scratch too."""
         clean_scratch(self.scratch.parent)
-        shutil.rmtree(self.scratch, ignore_errors=True)  # made by the connector's first write (the store
-        # must be created first: it refuses a directory that holds anything else)
-        tokens = max(cfg.data.token_budget, cfg.data.max_len + 1)
-        self.llm = self._engine(tcfg, devices, tokens, text)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch.mkdir(parents=True)
+        tempfile.tempdir = str(self.scratch)
+        self.llm = self._engine(*self._start)
 
     def _engine(self, tcfg, devices: list[str], tokens: int, text):
         if self.device.type == "cuda":  # before anything touches CUDA: vLLM numbers the group's GPUs from 0
@@ -243,7 +251,8 @@ class VllmTarget:
     def close(self) -> None:
         """Stop the engine (its tensor-parallel workers) and remove the scratch."""
         try:
-            self.llm.llm_engine.engine_core.shutdown()
+            if self.llm is not None:
+                self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
         shutil.rmtree(self.scratch, ignore_errors=True)
