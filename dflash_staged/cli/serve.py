@@ -184,6 +184,13 @@ def export_cmd(drafter_path, target_dir, out, outtype, with_target, with_target_
     default=None,
     help="The llama.cpp build to serve with (default: cuda with nvcc and a GPU).",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["llamacpp", "vllm"]),
+    default="llamacpp",
+    show_default=True,
+    help="vllm: the real vLLM in process (float32, greedy; dflash_staged/serve/vllm/).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @user_errors
 def eval_cmd(
@@ -202,9 +209,11 @@ def eval_cmd(
     chat_kwargs,
     chat_template,
     kind,
+    engine,
     as_json,
 ) -> None:
-    """Decode the prompts in a real llama-server with and without the drafter: tau, tokens/s, lossless."""
+    """Decode the prompts in a real llama-server (or vLLM) with and without the drafter: tau, tokens/s,
+    lossless."""
     import json
 
     from dflash_staged.errors import DflashError
@@ -216,6 +225,22 @@ def eval_cmd(
         except ValueError:
             raise DflashError(f"{flag} {text!r}: expected comma-separated numbers") from None
 
+    if engine == "vllm":
+        from dflash_staged.serve.vllm.evaluate import report_lines, serve_eval_vllm
+
+        only = {"--outtype": outtypes != "f32", "--n-max": n_max, "--kind": kind, "--threads": threads}
+        only["--temperature"] = any(numbers(temperatures, "--temperature", float))
+        if bad := [k for k, v in only.items() if v]:
+            raise DflashError(
+                f"{', '.join(bad)}: llama.cpp's; --engine vllm runs float32, greedy, whole blocks"
+            )
+        chat = parse_json_object(chat_kwargs, "--chat-template-kwargs") if chat_kwargs else None
+        rep = serve_eval_vllm(
+            drafter_path, target_dir, prompts_path, out, max_new_tokens, limit=limit,
+            chat_template_kwargs=chat, chat_template=chat_template, compare=compare_path,
+        )  # fmt: skip
+        click.echo(json.dumps(rep, indent=1) if as_json else "\n".join(report_lines(rep, out)))
+        return
     report = serve_eval(
         drafter_path,
         target_dir,
