@@ -213,6 +213,8 @@ class VllmTarget:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        for left in self.scratch.glob("*.safetensors*"):  # a failed job's (one job at a time per worker)
+            left.unlink(missing_ok=True)
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in seqs]
         outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         paths = [Path(o.kv_transfer_params["hidden_states_path"]) for o in outs]
