@@ -19,7 +19,8 @@ The contract:
   (no tokenizer), ``max_tokens=1``, prefix caching and chunked prefill off, a batch as large as one job
   (``max_num_batched_tokens`` covers ``data.token_budget`` and the longest sample), ``--tp N`` as vLLM's
   tensor parallel, ``target.vllm_expert_parallel``; anything else through ``target.vllm_args``. On a CPU
-  without ``VLLM_CPU_KVCACHE_SPACE`` the KV cache is sized from one job's tokens (:func:`kv_cache_gib`).
+  without ``VLLM_CPU_KVCACHE_SPACE`` the KV cache is sized from one job's tokens
+  (:func:`~dflash_staged.model.target.dims.kv_cache_gib`).
 * **Processes.** The engine core runs inside the worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a
   ``kill -9`` of the worker leaves no engine process behind; with ``--tp N`` vLLM's own workers watch
   their parent through a pipe and exit with it.
@@ -33,7 +34,6 @@ The contract:
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import socket
@@ -51,15 +51,6 @@ STEPS_MAX = 64  # engine steps after a batch returned, for its last saves to lan
 def aux_layer_ids(layer_ids: list[int]) -> list[int]:
     """vLLM's aux hidden-state ids of DFlash layer ids (module docstring)."""
     return [int(i) + 1 for i in layer_ids]
-
-
-def kv_cache_gib(text, tokens: int, stored: int) -> int:
-    """GiB of KV cache for ``tokens`` tokens of ``text`` (a transformers text config) and the extractor's
-    ``stored`` states a token, doubled and at least 1."""
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    per_token = 2 * text.num_hidden_layers * heads * head_dim * 4 + stored * text.hidden_size * 4
-    return max(1, math.ceil(2 * tokens * per_token / (1 << 30)))
 
 
 def visible_devices(devices: list[str], visible: str | None) -> str:
@@ -158,6 +149,8 @@ class VllmTarget:
                 devices, os.environ.get("CUDA_VISIBLE_DEVICES")
             )
         else:
+            from dflash_staged.model.target.dims import kv_cache_gib
+
             os.environ.setdefault(
                 "VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(text, tokens, len(self.captured_ids)))
             )

@@ -65,6 +65,17 @@ def target_dims(tcfg: TargetConfig, local_only: bool = False) -> TargetDims:
     return TargetDims(int(c.num_hidden_layers), int(c.hidden_size), int(c.vocab_size))
 
 
+def kv_cache_gib(text, tokens: int, stored: int = 0) -> int:
+    """GiB of a vLLM KV cache on a CPU (``VLLM_CPU_KVCACHE_SPACE``) for ``tokens`` tokens of the target
+    ``text`` (its text config) in float32, plus ``stored`` hidden vectors a token (the hidden-state
+    extractor's cache-only layer), doubled and at least 1. Set, it also keeps vLLM from reserving its
+    default 92% of the host's memory (``gpu_memory_utilization`` on a CPU), which fails on a busy host."""
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * 4 + stored * text.hidden_size * 4
+    return max(1, -(-2 * tokens * per_token // (1 << 30)))
+
+
 def extract_footprint(tcfg: TargetConfig, token_budget: int, stored_layers: int, itemsize: int = 2) -> int:
     """About the GPU bytes one extract worker holds (a trainer sharing its GPU leaves them free): the
     target's weights (its text model's parameters, counted on the meta device, ``itemsize`` bytes

@@ -41,6 +41,22 @@ class Refused(DflashError):
         self.line = line
 
 
+def cpu_kv_cache(target: str, max_model_len: int) -> None:
+    """On a CPU, size vLLM's KV cache for one sequence of ``max_model_len`` unless ``VLLM_CPU_KVCACHE_SPACE``
+    is set (:func:`~dflash_staged.model.target.dims.kv_cache_gib`: vLLM would otherwise reserve 92% of the
+    host's memory and refuse to start on a busy host)."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return
+    from transformers import AutoConfig
+
+    from dflash_staged.model.target.dims import kv_cache_gib, text_config
+
+    text = text_config(AutoConfig.from_pretrained(target))
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(text, max_model_len))
+
+
 def engine_kwargs(target: str, max_model_len: int, spec: dict | None, seed: int = 0) -> dict:
     kw = dict(
         model=str(target),
@@ -95,6 +111,7 @@ def open_engine(kwargs: dict, log: Path | None = None):
     """``(llm, say)``: a ``vllm.LLM`` built from ``kwargs``, shut down on exit (module docstring);
     :class:`Refused` with vLLM's line when it will not build."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if log is None else "INFO")
+    cpu_kv_cache(kwargs["model"], kwargs["max_model_len"])
     vllm = import_vllm()
     with _output_to(log) as say:
         try:
