@@ -48,6 +48,7 @@ from dflash_staged.serve.llamacpp.server import LlamaServer
 from dflash_staged.serve.report import (
     agreement,
     format_run,
+    out_dir,
     prompt_result,
     read_eval_report,
     recommend,
@@ -173,13 +174,7 @@ def serve_eval(
             f"--n-max {n_maxes}: a {dcfg.architecture} drafter of block {dcfg.block_size} drafts 1 to "
             f"{max_drafts(dcfg)} tokens per step"
         )
-    out = Path(out)
-    try:
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DflashError(
-            f"--out {out}: cannot create it ({e.strerror}); choose a writable directory"
-        ) from None
+    out = out_dir(out)
     kind = kind or llama_build.default_kind()
     if not llama_build.is_built(kind):
         _say("llama-server is not built on this machine yet: building it first (once)", quiet)

@@ -24,6 +24,18 @@ from pathlib import Path
 from dflash_staged.errors import DflashError
 
 
+def out_dir(out) -> Path:
+    """``--out`` made (with its ``logs/``), or one line saying it cannot be."""
+    out = Path(out)
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DflashError(
+            f"--out {out}: cannot create it ({e.strerror}); choose a writable directory"
+        ) from None
+    return out
+
+
 def prompt_result(resp: dict, line: int = 0, log=None, traced: bool = True) -> dict:
     """One prompt's record from the server's response and, when ``traced`` (a server with a drafter), its
     verify steps (``resp["steps"]``; module docstring)."""

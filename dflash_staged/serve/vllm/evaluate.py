@@ -30,7 +30,7 @@ from pathlib import Path
 
 from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import write_json_atomic
-from dflash_staged.serve.report import agreement, read_eval_report, summarize_run
+from dflash_staged.serve.report import agreement, out_dir, read_eval_report, summarize_run
 from dflash_staged.serve.vllm import import_vllm, vllm_version
 from dflash_staged.serve.vllm.report import (
     counter_summary,
@@ -119,13 +119,7 @@ def serve_eval_vllm(
     )
     stop = target_stop_ids(tdir, tok[0] if tok else None)
     _say(f"{len(prompts)} prompts rendered with {chat.kwargs or 'no options'} ({chat_source})", quiet)
-    out = Path(out)
-    try:
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DflashError(
-            f"--out {out}: cannot create it ({e.strerror}); choose a writable directory"
-        ) from None
+    out = out_dir(out)
     max_len = max(len(ids) for _, ids in prompts) + max_new_tokens + dcfg.block_size + 8
     report = {
         "engine": {
