@@ -1,4 +1,6 @@
 import os
+import signal
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_not_ignored(request):
+    """A test's children inherit an ignored SIGINT (SIG_IGN survives exec), and then ignore the SIGINT a test
+    sends them (the launchers forward only signals not ignored): the four launcher and extract tests that
+    send one timed out whenever an earlier test in the same xdist worker had left SIGINT ignored. Each
+    test starts with Python's default handler, and a test that leaves SIGINT ignored is named."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        print(f"\nconftest: {request.node.nodeid} left SIGINT ignored", file=sys.stderr, flush=True)
 
 
 @pytest.fixture(scope="session")
