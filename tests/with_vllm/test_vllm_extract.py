@@ -146,6 +146,9 @@ def test_vllm_workers_killed_beside_a_trainer_train_every_job_once(tmp_path, tar
     from chaos import Chaos
     from rel_helpers import assert_all_released_and_clean, assert_exactly_once
 
+    before = {
+        c.pid for c in psutil.Process().children(recursive=True)
+    }  # this worker's own (a resource tracker)
     mdir = _plan(tmp_path, target_dir, "chaos", "vllm", n=24, epochs=2)
     store, run_dir = tmp_path / "store", tmp_path / "run"
     chaos = Chaos(tmp_path, mdir, store, run_dir, seed=7, kills=3, window=8, timeout_s=900)
@@ -157,6 +160,10 @@ def test_vllm_workers_killed_beside_a_trainer_train_every_job_once(tmp_path, tar
     assert not r.violations and not r.orphans, (r.violations, r.orphans)
     assert_exactly_once(mdir, run_dir)
     assert_all_released_and_clean(mdir, store, run_dir)
-    left = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    left = [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE
+    ]
     assert left == [], f"processes outlived the run: {[c.cmdline()[:3] for c in left]}"
     print(f"vllm chaos: kills {r.kills}, restarts {r.restarts}, {r.wall_s:.0f} s")
