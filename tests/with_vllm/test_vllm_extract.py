@@ -146,9 +146,8 @@ def test_vllm_workers_killed_beside_a_trainer_train_every_job_once(tmp_path, tar
     from chaos import Chaos
     from rel_helpers import assert_all_released_and_clean, assert_exactly_once
 
-    before = {
-        c.pid for c in psutil.Process().children(recursive=True)
-    }  # this worker's own (a resource tracker)
+    # the processes this test process had before (an xdist worker's resource tracker) are not the run's
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
     mdir = _plan(tmp_path, target_dir, "chaos", "vllm", n=24, epochs=2)
     store, run_dir = tmp_path / "store", tmp_path / "run"
     chaos = Chaos(tmp_path, mdir, store, run_dir, seed=7, kills=3, window=8, timeout_s=900)
