@@ -52,6 +52,7 @@ from dflash_staged.serve.report import (
     prompt_result,
     read_eval_report,
     recommend,
+    report_head,
     summarize_run,
 )
 
@@ -191,13 +192,7 @@ def serve_eval(
         },
         "machine": machine(),
         "threads": threads,
-        "drafter": str(ckpt),
-        "architecture": dcfg.architecture,
-        "block_size": dcfg.block_size,
-        "target": str(tdir),
-        "prompts_file": str(prompts_path),
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
+        **report_head(ckpt, dcfg, tdir, prompts_path, prompts, max_new_tokens),
         "runs": [],
     }
 

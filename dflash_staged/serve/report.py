@@ -36,6 +36,19 @@ def out_dir(out) -> Path:
     return out
 
 
+def report_head(ckpt, dcfg, tdir, prompts_path, prompts: list, max_new_tokens: int) -> dict:
+    """What both engines' serve-eval reports say of the drafter, the target and the prompts."""
+    return {
+        "drafter": str(ckpt),
+        "architecture": dcfg.architecture,
+        "block_size": dcfg.block_size,
+        "target": str(tdir),
+        "prompts_file": str(prompts_path),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+    }
+
+
 def prompt_result(resp: dict, line: int = 0, log=None, traced: bool = True) -> dict:
     """One prompt's record from the server's response and, when ``traced`` (a server with a drafter), its
     verify steps (``resp["steps"]``; module docstring)."""

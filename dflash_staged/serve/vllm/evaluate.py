@@ -30,7 +30,7 @@ from pathlib import Path
 
 from dflash_staged.errors import DflashError
 from dflash_staged.fsutil import write_json_atomic
-from dflash_staged.serve.report import agreement, out_dir, read_eval_report, summarize_run
+from dflash_staged.serve.report import agreement, out_dir, read_eval_report, report_head, summarize_run
 from dflash_staged.serve.vllm import import_vllm, vllm_version
 from dflash_staged.serve.vllm.report import (
     counter_summary,
@@ -129,13 +129,7 @@ def serve_eval_vllm(
             "speculative_config": spec,
         },
         "machine": machine(),
-        "drafter": str(ckpt),
-        "architecture": dcfg.architecture,
-        "block_size": dcfg.block_size,
-        "target": str(tdir),
-        "prompts_file": str(prompts_path),
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
+        **report_head(ckpt, dcfg, tdir, prompts_path, prompts, max_new_tokens),
         "stop_token_ids": stop,
         "runs": [],
     }
