@@ -218,8 +218,12 @@ class DrafterConfig:
     # The family's own settings ([drafter.options]; each family's folder lists its keys, defaults and
     # rules, e.g. DSpark's markov_rank, DSpine's transfer_rank); unknown keys are refused at train start.
     options: dict[str, Any] = field(default_factory=dict)
+    # Rows of the drafter's head: the N most frequent loss-bearing tokens of the planned data (chosen by
+    # `dflash plan`, model/drafters/vocab.py); 0 = the target's whole vocabulary. dflash and dspark only.
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
+        _check(self.draft_vocab_size >= 0, "drafter.draft_vocab_size must be >= 0 (0 = the whole vocabulary)")
         _check(
             self.num_hidden_layers >= 1, f"drafter.num_hidden_layers={self.num_hidden_layers}: must be >= 1"
         )

@@ -49,7 +49,9 @@ Contract (as the reference z-lab ``dflash_generate``; the tests hold it to it):
   walk, DSpark's Markov head left to right, DSpine's refined candidate path; each greedy at
   temperature 0, else a draw with its proposal. A family without a walk (DFlash v1): greedy =
   argmax of the block's logits, sampled = drawn from ``q`` over the vocabulary (dense q,
-  :meth:`~dflash_staged.evaluate.sampling.Sampler.propose`).
+  :meth:`~dflash_staged.evaluate.sampling.Sampler.propose`). With a draft vocabulary the walk runs over
+  its rows and the drafts are mapped back to target ids; a sampled proposal becomes sparse on the
+  vocabulary's target ids (:mod:`dflash_staged.model.drafters.vocab`).
 * **Drafter cache.** :class:`DrafterProposer` keeps the drafter's context keys/values in a
   :class:`~dflash_staged.model.drafters.backbone.DraftCache` of the committed positions: each step
   computes them only for the positions verified since the last one, and a cache longer than
@@ -132,11 +134,23 @@ class DrafterProposer:
             self.drafter, logits, hidden, anchor, temperature, gen, state=state, **self.walk_options
         )
         if out is None:  # DFlash v1: the block's argmax, or a draw from its (filtered) logits
-            return sampler.propose(logits) if sampled else logits.argmax(-1)
+            out = sampler.propose(logits) if sampled else (logits.argmax(-1), None)
         drafts, q = out
+        if getattr(self.drafter, "d2t", None) is not None:  # draft ids of a draft vocabulary -> target ids
+            drafts = self.drafter.to_target(drafts)
         if not sampled:
             return drafts
-        return drafts, (SparseQ(*q) if isinstance(q, tuple) else q)
+        return drafts, self._target_q(SparseQ(*q) if isinstance(q, tuple) else q)
+
+    def _target_q(self, q):
+        """A proposal over the head's rows as one over target ids: with a draft vocabulary, sparse on the
+        vocabulary's ids (zero elsewhere, so rejection sampling stays exact)."""
+        if getattr(self.drafter, "d2t", None) is None:
+            return q
+        if isinstance(q, SparseQ):
+            return SparseQ(self.drafter.to_target(q.ids), q.probs)
+        ids = self.drafter.to_target(torch.arange(q.shape[-1], device=q.device))
+        return SparseQ(ids.expand(q.shape[0], -1), q)
 
 
 class SpecOutput(NamedTuple):

@@ -51,6 +51,14 @@ def plan_manifest(
         data_path, cfg, skip_bad=skip_bad, progress=progress, chat=chat, tokenizer=tokenizer
     )
     plan = make_plan(samples.lengths(), cfg, epochs, seed)
+    extra = {"chat": chat.record()}
+    vocab = None
+    if cfg.drafter.draft_vocab_size:  # the drafter's head rows (model/drafters/vocab.py), in the manifest
+        from dflash_staged.model.drafters import vocab as dv
+
+        counts = dv.loss_token_counts(samples.tokens, samples.loss_mask, dims.vocab_size)
+        vocab = dv.choose(counts, cfg.drafter.draft_vocab_size)
+        extra["draft_vocab"] = vocab.record()
     # meta "chat": how conversations were rendered; the trainer copies it into checkpoints for eval
     with Manifest.create(
         manifest_dir,
@@ -60,7 +68,7 @@ def plan_manifest(
         data_path=str(Path(data_path).resolve()),
         data_hash=data_hash,
         layer_ids=layer_ids,
-        extra_meta={"chat": chat.record()},
+        extra_meta=extra,
     ) as m:
         where = m.address
     head = (
@@ -73,6 +81,8 @@ def plan_manifest(
     summary = format_plan_summary(
         samples, plan, str(data_path), cfg.data.max_len, cfg.min_loss_tokens, layer_ids
     )
+    if vocab is not None:
+        summary += "\n  " + vocab.line(dims.vocab_size)
     return (
         head
         + "".join(f"\n  note: {n}" for n in notes)

@@ -2,8 +2,9 @@
 
 :func:`show_data` ingests the whole input exactly as ``plan`` does (the same formats, chat
 template and options, truncation and skipping: :func:`~dflash_staged.plan.dataset.load_dataset`)
-and returns a report: the format, the record counts, the loss-token fraction and the length
-percentiles over every sample, and the chosen samples (the first N, or the given lines/rows) as
+and returns a report: the format, the record counts, the loss-token fraction, the length
+percentiles over every sample, what a draft vocabulary of each size would cover of the loss tokens
+(:mod:`dflash_staged.model.drafters.vocab`), and the chosen samples (the first N, or the given lines/rows) as
 runs of decoded text, each run either loss or context. :func:`format_text` prints it for a
 terminal (loss tokens in colour, or between ``[[`` and ``]]`` without colour);
 :func:`format_html` makes a self-contained HTML page (loss tokens highlighted), written
@@ -67,6 +68,7 @@ def show_data(
             }
         )
     return {
+        "draft_vocab": _draft_vocab(cfg, samples),
         "data": str(data_path),
         "config": str(config_path),
         "store": _store(cfg, int(lengths.sum())),
@@ -105,6 +107,21 @@ def _store(cfg, tokens: int) -> str | None:
     return store_line(cfg, dims.hidden_size, taps, tokens, "for the whole data, once")
 
 
+VOCAB_SIZES = (4096, 8192, 16384, 32768)
+
+
+def _draft_vocab(cfg, samples) -> dict:
+    """What a draft vocabulary of each size (the config's and :data:`VOCAB_SIZES`) covers of the loss
+    tokens (:mod:`dflash_staged.model.drafters.vocab`)."""
+    from dflash_staged.model.drafters.vocab import coverage, loss_token_counts
+
+    top = int(samples.tokens.max()) + 1 if samples.tokens.size else 1
+    counts = loss_token_counts(samples.tokens, samples.loss_mask, top)
+    n, seen = cfg.drafter.draft_vocab_size, int((counts > 0).sum())
+    sizes = sorted({*(v for v in VOCAB_SIZES if v < seen), *([n] if n else [])})  # (all seen: 100%)
+    return {"configured": n, "seen": seen, "coverage": coverage(counts, sizes)}
+
+
 def summary_lines(r: dict) -> list[str]:
     """The whole-input figures, one per line."""
     st, ln = r["stats"], r["length"]
@@ -132,6 +149,13 @@ def summary_lines(r: dict) -> list[str]:
         ),
     ]
     out += [r["store"]] if r.get("store") else []
+    if dv := r.get("draft_vocab"):
+        cov = ", ".join(f"{n:,} {c:.2%}" for n, c in dv["coverage"].items())
+        out.append(
+            f"draft vocabulary (share of loss tokens the N most frequent cover; {dv['seen']:,} distinct): "
+            + cov
+            + (f"; configured {dv['configured']:,}" if dv["configured"] else "; not configured")
+        )
     out += [f"  e.g. {ex}" for ex in r["bad_examples"][:3] + r.get("short_examples", [])[:3]]
     if st.get("off_prompt"):
         from dflash_staged.chat import off_prompt_warning

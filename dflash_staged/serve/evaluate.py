@@ -86,6 +86,12 @@ def llama_spec_type(dcfg, source: str) -> str:
             f"{source}: markov_head_type={dcfg.options['markov_head_type']!r}: llama.cpp's converter and "
             'vLLM serve only the vanilla Markov head; train with markov_head_type = "vanilla" to serve it'
         )
+    if arch == "dflash" and dcfg.draft_vocab_size:
+        raise DflashError(
+            f"{source}: draft_vocab_size={dcfg.draft_vocab_size}: llama.cpp's converter (conversion/qwen.py, "
+            "DFlashModel) writes no d2t table for a DFlash drafter, only for DSpark; serve it with "
+            "`dflash serve eval --engine vllm`, or train a dspark drafter with the draft vocabulary"
+        )
     return SPEC_TYPES[arch]
 
 

@@ -143,7 +143,7 @@ def estimate(
         context=ctx_elems * act,
         loss=(TARGET_LOSS_BUFFERS if target_logits else LOSS_BUFFERS)
         * min(t.loss_chunk, t.microbatch_tokens * c.block_size)
-        * c.vocab_size
+        * (c.draft_vocab_size or c.vocab_size)  # (the head's rows: a draft vocabulary's)
         * 4,
         device_bytes=device_bytes,
         pad_row=pad_row,

@@ -216,10 +216,12 @@ def build_drafter(
     device: torch.device,
     init_from: Path | None = None,
     resuming: bool = False,
+    draft_vocab: dict | None = None,
 ):
     """A freshly initialised drafter for this target and store, with the frozen embedding and head;
     ``init_from`` (``--init-from``): start from another run's (or checkpoint's) weights instead;
-    ``resuming``: a checkpoint's weights will replace them, so no initialisation from the target."""
+    ``resuming``: a checkpoint's weights will replace them, so no initialisation from the target;
+    ``draft_vocab``: the manifest's record of the planned draft vocabulary (``drafter.draft_vocab_size``)."""
     from dflash_staged.model.drafters.backbone import DFlashDrafter
     from dflash_staged.model.drafters.weights import validate_mask_token
     from dflash_staged.model.target import load_tokenizer
@@ -237,14 +239,27 @@ def build_drafter(
     mask_id = validate_mask_token(cfg.drafter.mask_token_id, load_tokenizer(cfg.target), dims.vocab_size)
     from_target = cfg.drafter.init != "random"  # target_top, or auto
     dcfg = run_drafter_config(cfg, dims, list(store.meta.layer_ids), mask_id)
+    ids = planned_vocab(dcfg, draft_vocab)
     torch.manual_seed(cfg.train.seed)
-    drafter = DFlashDrafter(dcfg, embed, head)
+    drafter = DFlashDrafter(dcfg, embed, head, ids)
     if from_target and init_from is None and not resuming:  # (a warm start or checkpoint replaces them)
-        drafter = init_from_target_layers(cfg, drafter, lambda: DFlashDrafter(dcfg, embed, head))
+        drafter = init_from_target_layers(cfg, drafter, lambda: DFlashDrafter(dcfg, embed, head, ids))
     if init_from is not None:
         src = warm_start(drafter, init_from)
         print(f"train: drafter initialised from {src}", file=sys.stderr, flush=True)
     return drafter.to(device)
+
+
+def planned_vocab(dcfg, record: dict | None) -> torch.Tensor | None:
+    """The draft vocabulary's ids from the manifest's record, checked against the drafter's size."""
+    n = dcfg.draft_vocab_size
+    have = int(record["size"]) if record else 0
+    if (n or 0) != have:
+        raise DflashError(
+            f"drafter.draft_vocab_size = {n or 0} but the manifest was planned with "
+            f"{have or 'no draft vocabulary'}: set it to {have} or plan again with the new value"
+        )
+    return torch.as_tensor(record["ids"], dtype=torch.long) if n else None
 
 
 def init_from_target_layers(cfg: Config, drafter, fresh):

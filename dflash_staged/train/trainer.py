@@ -266,7 +266,9 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         # half-deleted shards of a killed trainer, half-written ones of dead workers, stale ones
         store.cleanup_temp(claimed=m.holds_claim, unwanted=unwanted_on(m, node))
     norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
-    drafter = build_drafter(cfg, store, device, opts.init_from, resuming=resuming)
+    drafter = build_drafter(
+        cfg, store, device, opts.init_from, resuming=resuming, draft_vocab=m.meta.get("draft_vocab")
+    )
     model = DrafterModel(
         drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device), store.meta.topk,
         store.torch_dtype, store.meta.fp8,

@@ -11,7 +11,9 @@ Contract (the trainer, the evaluator and :mod:`dflash_staged.weights` rely on it
   target embedding of ``[ids[a], MASK x (B-1)]`` at positions ``a .. a+B-1``.
   Block position ``k`` (1..B-1) predicts ``ids[a+k]`` (no shift) through the final
   ``norm`` and the target LM head. Embedding and LM head are frozen target
-  tensors held as non-persistent buffers: never trained, never saved.
+  tensors held as buffers: never trained, never saved, except the head of a draft vocabulary
+  (``draft_vocab_size``: the target's rows of the vocabulary, ``lm_head.weight``, with ``d2t``;
+  :mod:`dflash_staged.model.drafters.vocab`), whose logits are over those rows.
 * **Attention (KV injection).** In every layer the keys/values are the layer's own
   ``k_proj``/``v_proj`` of the fused context followed by those of the block;
   ``k_norm`` applies to both; queries come from the block only; RoPE uses
@@ -59,7 +61,13 @@ from dflash_staged.model.drafters.config import (  # noqa: F401 (re-export)
     SLIDING,
     DraftModelConfig,
 )
-from dflash_staged.model.drafters.layers import RMSNorm, SwiGLU, rotate
+from dflash_staged.model.drafters.layers import (  # noqa: F401 (DraftCache: re-export)
+    DraftCache,
+    FrozenHead,
+    RMSNorm,
+    SwiGLU,
+    rotate,
+)
 from dflash_staged.model.target.logits import transform_logits
 
 
@@ -108,30 +116,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp_conv.finish(self.mlp(m), delta)
 
 
-class DraftCache:
-    """Keys/values of the fused context, per layer, for positions ``0..length-1``: what the
-    reference keeps in the draft ``DynamicCache`` once it is cropped to the committed length.
-    The context's keys/values depend only on the context (it never enters the residual
-    stream), so a cached position never changes; the block's are never cached."""
-
-    def __init__(self):
-        self.k: list[torch.Tensor] = []  # per layer [S, nkv, hd]
-        self.v: list[torch.Tensor] = []
-
-    @property
-    def length(self) -> int:
-        return self.k[0].shape[0] if self.k else 0
-
-    def crop(self, n: int) -> None:
-        """Keep positions ``0..n-1``."""
-        self.k = [k[:n] for k in self.k]
-        self.v = [v[:n] for v in self.v]
-
-
 class DFlashDrafter(nn.Module):
     """The DFlash draft model. See the module docstring for the contract."""
 
-    def __init__(self, dcfg: DraftModelConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(
+        self,
+        dcfg: DraftModelConfig,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        draft_ids: torch.Tensor | None = None,
+    ):
         super().__init__()
         c = self.dcfg = dcfg
         V, H = c.vocab_size, c.hidden_size
@@ -152,7 +146,12 @@ class DFlashDrafter(nn.Module):
         self.family = c.family
         self.family.build(self)
         self.register_buffer("embed_weight", embed_weight.detach()[:V], persistent=False)
-        self.register_buffer("lm_head_weight", lm_head_weight.detach()[:V], persistent=False)
+        self.lm_head = FrozenHead(lm_head_weight.detach()[:V], persistent=False)
+        if c.draft_vocab_size:  # placeholder ids until a checkpoint's d2t or the plan's are set
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(V, dtype=torch.long), persistent=False)
+            ids = torch.arange(c.draft_vocab_size) if draft_ids is None else draft_ids
+            self.set_draft_vocab(ids, lm_head_weight)
         inv_freq, self.rope_scale = self._rope_init(c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.reset_parameters()
@@ -181,6 +180,43 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
         self.family.reset_parameters(self)
+
+    # -- the head and the draft vocabulary (dflash_staged.model.drafters.vocab) -------------------
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The frozen head ``[N, H]``: the target's rows of the draft vocabulary (all ``V`` without one)."""
+        return self.lm_head.weight
+
+    @lm_head_weight.setter
+    def lm_head_weight(self, w: torch.Tensor) -> None:
+        self.lm_head.weight = w
+
+    def set_draft_vocab(self, ids: torch.Tensor, target_head: torch.Tensor) -> None:
+        """Make the head the rows ``ids`` (target ids, ``[N]``) of the target's head ``[>= V, H]``."""
+        from dflash_staged.model.drafters import vocab
+
+        c = self.dcfg
+        ids = vocab.check_ids(ids, c.draft_vocab_size, c.vocab_size, "drafter").to(target_head.device)
+        old = self.lm_head.weight
+        self.lm_head = FrozenHead(target_head.detach()[ids].to(old.dtype), persistent=True).to(old.device)
+        self.d2t = vocab.d2t_of(ids).to(old.device)
+        self.t2d = vocab.t2d_of(ids, c.vocab_size).to(old.device)
+
+    def draft_labels(self, labels: torch.Tensor, valid: torch.Tensor):
+        """Target-id ``labels`` as draft ids, with the rows whose label lies outside the draft vocabulary
+        masked: ``(labels, valid, outside)``, ``outside`` the count of valid rows masked (a tensor)."""
+        if getattr(self, "d2t", None) is None:
+            return labels, valid, labels.new_zeros(())
+        d = self.t2d.to(labels.device)[labels.long()]
+        inside = d >= 0
+        return torch.where(inside, d, 0), valid & inside, (valid & ~inside).sum()
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids as target ids (unchanged without a draft vocabulary)."""
+        if getattr(self, "d2t", None) is None:
+            return draft_ids
+        d = draft_ids.long()
+        return d + self.d2t.to(d.device)[d]
 
     @property
     def selector(self):

@@ -22,7 +22,9 @@ by it) go there too, for either architecture, when they are set; a DFlash or DFl
 ``output_multiplier`` also as a top-level ``logit_scale``, where vLLM reads it (not DSpark's:
 :mod:`dflash_staged.model.drafters.engines`). :meth:`DraftModelConfig.from_dict` reads ours and the
 released drafters' files, and these fields as the reference does: from ``dflash_config``, else from the
-top level; a negative softcap is refused.
+top level; a negative softcap is refused. ``draft_vocab_size`` (top level, only when the head covers fewer
+rows than ``vocab_size``; :mod:`dflash_staged.model.drafters.vocab`) is refused for a family that cannot
+take one.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class DraftModelConfig:
     final_logit_softcapping: float | None = None  # None or 0 = no softcapping
     input_embedding_scale: float = 1.0  # the block's input embeddings are multiplied by it
     options: dict[str, Any] = field(default_factory=dict)  # the family's own settings (its defaults filled)
+    draft_vocab_size: int | None = None  # rows of the drafter's head (None: the target's whole vocabulary)
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept on round trip
 
     def __post_init__(self) -> None:
@@ -134,6 +137,18 @@ class DraftModelConfig:
         if SLIDING not in self.layer_types:
             self.sliding_window = None
         self.options = fam.options(self.options, self)
+        n = self.draft_vocab_size
+        if n is not None and int(n) >= self.vocab_size:
+            self.draft_vocab_size = n = None  # the whole vocabulary: no table
+        if n is not None:
+            need(1 <= int(n), f"draft_vocab_size={n} must be >= 1 (or absent: the whole vocabulary)")
+            why = fam.draft_vocab_refused
+            need(
+                why is None,
+                f"draft_vocab_size={n}: a {fam.name} drafter cannot take a draft vocabulary "
+                f"({why}); set drafter.draft_vocab_size = 0 or use architecture dflash or dspark",
+            )
+            self.draft_vocab_size = int(n)
 
     @property
     def family(self):
@@ -194,6 +209,7 @@ class DraftModelConfig:
             final_logit_softcapping=d.final_logit_softcapping or None,
             input_embedding_scale=d.input_embedding_scale,
             options=dict(d.options),
+            draft_vocab_size=d.draft_vocab_size or None,
         )
 
     @property
@@ -260,6 +276,8 @@ class DraftModelConfig:
                 "vocab_size": self.vocab_size,
             }
         )
+        if self.draft_vocab_size:  # where vLLM's DFlash and DSpark models and llama.cpp's converter read it
+            d["draft_vocab_size"] = self.draft_vocab_size
         fam.write_config(self, d, dflash)
         return d
 
@@ -327,6 +345,7 @@ class DraftModelConfig:
                 output_multiplier=float(_draft_value(d, "output_multiplier", 1.0)),
                 final_logit_softcapping=_draft_value(d, "final_logit_softcapping"),
                 input_embedding_scale=float(_draft_value(d, "input_embedding_scale", 1.0)),
+                draft_vocab_size=int(d["draft_vocab_size"]) if d.get("draft_vocab_size") else None,
             )
         except KeyError as e:
             raise DflashError(

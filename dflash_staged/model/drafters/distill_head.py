@@ -61,9 +61,10 @@ class HeadInputs(NamedTuple):
 def overlap_parts(p: torch.Tensor, q: torch.Tensor, top: TopK) -> tuple[torch.Tensor, torch.Tensor]:
     """From a top-k: ``sum_top min(p, q)`` (exact) and the tightest bound the store gives on the tail's
     part, ``min(r, sum_tail min(q_i, p_k))`` (no tail token is likelier than the k-th stored one)."""
-    ids = top.ids.long()
-    on_ids = torch.minimum(p.gather(1, ids), q.gather(1, ids)).sum(-1)
-    floor = p.gather(1, ids[:, -1:])
+    ids, kept = top.ids.long(), torch.isfinite(top.logp)  # (entries dropped by a draft vocabulary: -inf)
+    on_ids = (torch.minimum(p.gather(1, ids), q.gather(1, ids)) * kept).sum(-1)
+    last = (kept.sum(-1, keepdim=True) - 1).clamp_min(0)
+    floor = p.gather(1, ids.gather(1, last)) * kept.any(-1, keepdim=True)
     tail = torch.minimum(q, floor).scatter_(1, ids, 0.0).sum(-1)
     return on_ids, torch.minimum(tail, top.tail().to(tail.dtype).exp())
 

@@ -106,6 +106,12 @@ def serving_problems(dcfg) -> list[str]:
             "(greedy drafts are unaffected; SGLang drafts greedily)"
         )
         out.append(_line([VLLM], why))
+    if fam == "dflash" and dcfg.draft_vocab_size:
+        why = (
+            f"draft_vocab_size = {dcfg.draft_vocab_size}: its converter (conversion/qwen.py) writes a d2t "
+            "table only for DSpark, so the DFlash checkpoint's d2t is refused; vLLM serves it"
+        )
+        out.append(_line([LLAMACPP], why))
     if fam == "dspark":
         out += _dspark_problems(dcfg)
     return out

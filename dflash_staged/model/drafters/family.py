@@ -31,6 +31,8 @@ for a family by name):
 * **Decoding.** :meth:`Family.walk` turns a block's proposal logits ``[n, V]`` and final-normed
   states ``[n, H]`` into drafts and their proposal distribution (None: the DFlash v1 rule of
   :mod:`dflash_staged.evaluate.speculative`).
+* **Draft vocabulary.** ``draft_vocab_refused`` is None for a family whose head may cover a subset of
+  the target's vocabulary (:mod:`dflash_staged.model.drafters.vocab`), else the reason it cannot.
 * **Memory.** :meth:`Family.memory` gives the extra bytes the family's training adds: fixed (its
   tables' gradients and optimizer state are counted with the parameters) and per drafter row.
 """
@@ -89,6 +91,8 @@ class Family:
     first_row: int = 1
     needs_target: bool = False
     forced_causal: bool | None = None  # every layer causal (True) or bidirectional within the block
+    # Why the family cannot take a draft vocabulary (``[drafter] draft_vocab_size``); None: it can
+    draft_vocab_refused: str | None = None
     stats: tuple[str, ...] = ()  # the family's own scalar sums (its objective's ``extra``)
     defaults: dict[str, Any] = field(default_factory=dict)
     objective: Any = None

@@ -40,3 +40,32 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
+
+
+class FrozenHead(nn.Module):
+    """The frozen LM head as a buffer ``weight``: saved (``lm_head.weight``) only for a draft vocabulary,
+    whose rows the serving engines cannot take from the target."""
+
+    def __init__(self, weight: torch.Tensor, persistent: bool):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=persistent)
+
+
+class DraftCache:
+    """Keys/values of the fused context, per layer, for positions ``0..length-1``: what the
+    reference keeps in the draft ``DynamicCache`` once it is cropped to the committed length.
+    The context's keys/values depend only on the context (it never enters the residual
+    stream), so a cached position never changes; the block's are never cached."""
+
+    def __init__(self):
+        self.k: list[torch.Tensor] = []  # per layer [S, nkv, hd]
+        self.v: list[torch.Tensor] = []
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    def crop(self, n: int) -> None:
+        """Keep positions ``0..n-1``."""
+        self.k = [k[:n] for k in self.k]
+        self.v = [v[:n] for v in self.v]

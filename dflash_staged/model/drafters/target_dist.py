@@ -27,6 +27,9 @@ Contract (:mod:`dflash_staged.train.objective.terms` and the families' objective
 * **Older stores** (written before the tail was stored): ``r = 1 - sum exp(logp)`` in float64, clamped
   at 0 (:func:`legacy_logtail`). fp16 entries are off by up to 2.4e-4 of their probability, so such a
   tail is unreliable below ~1e-4; the trainer says so in one line at start (re-extract to fix it).
+* **Draft vocabulary** (:meth:`TopK.restrict`): the entries outside it are dropped (log-probability
+  ``-inf``) and the rest renormalised with the tail; a dropped entry's id repeats the first kept one's,
+  so every consumer ignores entries at ``-inf`` (:func:`topk_logp` scatters with ``amax``).
 * No ``[rows, V]`` tensor of the target is read or kept beyond the chunk that forms ``p~``, and the
   trainer needs no target head. The target's argmax is the first stored id (most likely first).
 """
@@ -62,6 +65,21 @@ class TopK(NamedTuple):
         dropped = torch.logsumexp(self.logp[:, k:].to(tail.dtype), -1)
         return TopK(self.ids[:, :k], self.logp[:, :k], torch.logaddexp(tail, dropped).clamp_max(0.0))
 
+    def restrict(self, t2d: torch.Tensor) -> TopK:
+        """The same over a draft vocabulary (``t2d [V]``: each target id's draft id, -1 outside): ids
+        become draft ids, entries outside are dropped (log-probability ``-inf``, moved after the kept
+        ones, their id a copy of the first kept one's), and the distribution is renormalised over the
+        kept entries and the tail, the tail's mass taken as all inside the vocabulary (so the tail's
+        share is an upper bound). A row with no entry inside keeps only its tail."""
+        tail = self.tail().float()
+        d = t2d.to(self.ids.device)[self.ids.long()]
+        logp = torch.where(d >= 0, self.logp.float(), float("-inf"))
+        logp, order = logp.sort(-1, descending=True, stable=True)
+        d = d.gather(1, order)
+        d = torch.where(torch.isfinite(logp), d, d[:, :1].clamp_min(0))
+        z = torch.logaddexp(torch.logsumexp(logp, -1), tail)
+        return TopK(d, logp - z[:, None], (tail - z).clamp_max(0.0))
+
     def tail(self) -> torch.Tensor:
         """``log r [c]``: stored (float32), else :func:`legacy_logtail` (float32, float64 for a float64
         top-k)."""
@@ -92,5 +110,6 @@ def topk_logp(logq: torch.Tensor, top: TopK) -> torch.Tensor:
     shift = torch.where(torch.isneginf(logtail), logtail, logtail - logq_rest)  # no tail: -inf (not nan)
     out.add_(shift[:, None])
     lp = top.logp.to(dt)
-    out.scatter_(1, ids, log_probs(lp).add_(log1mexp(logtail)[:, None]))  # (log_probs: its digits near 0)
+    vals = log_probs(lp).add_(log1mexp(logtail)[:, None])  # (log_probs: its digits near 0)
+    out.scatter_reduce_(1, ids, vals.nan_to_num_(nan=float("-inf")), "amax")  # (dropped entries: -inf)
     return out.clamp_min_(math.log(torch.finfo(dt).tiny))

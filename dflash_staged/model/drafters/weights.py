@@ -9,7 +9,10 @@ Contract:
   the reference names (``layers.{i}.self_attn.q_proj.weight``, ..., ``fc.weight``,
   ``hidden_norm.weight``, ``norm.weight``), in the dtype ``config.json`` declares
   (transformers casts to that dtype on load, so anything else would change the
-  weights). No target embedding or LM head is stored. The reference class
+  weights). No target embedding or LM head is stored, except with a draft vocabulary
+  (``draft_vocab_size``): then ``lm_head.weight`` (the target's rows of it) and ``d2t``
+  (:mod:`dflash_staged.model.drafters.vocab`), which vLLM and llama.cpp need; loading takes the rows
+  from the target again. The reference class
   (z-lab ``dflash.model.DFlashDraftModel.from_pretrained``) loads it and agrees
   (``tests/test_drafter_reference.py``); SGLang and vLLM read the same fields.
   There is no ``auto_map``/``dflash.py`` (that code is the reference's, not ours),
@@ -129,6 +132,10 @@ def load_drafter(
         if tuple(v.shape) != want:
             raise DflashError(f"{dir}: tensor {k} has shape {tuple(v.shape)}, config.json implies {want}")
     drafter.load_state_dict(state)
+    if dcfg.draft_vocab_size:  # the head's rows again from the target itself (checks the table too)
+        from dflash_staged.model.drafters.vocab import ids_of
+
+        drafter.set_draft_vocab(ids_of(state["d2t"]), lm_head_weight)
     target_dtype = dtype or torch_dtype(dcfg.dtype)
     for p in drafter.parameters():
         p.data = p.data.to(target_dtype)

@@ -143,6 +143,8 @@ def dflash_loss(
         topk = TopK(
             batch["topk_ids"].to(dev), batch["topk_logprobs"].to(dev), None if tail is None else tail.to(dev)
         ).first(target_topk)
+        if getattr(drafter, "d2t", None) is not None:  # over the draft vocabulary, renormalised
+            topk = topk.restrict(drafter.t2d)
     fam = drafter.family
     if fam.needs_target and not (full or topk is not None):
         raise DflashError(
@@ -172,6 +174,7 @@ def dflash_loss(
         return total / _denom(rows.weight_sum, denom, dev), family_stats(drafter, rows, A)
     out = drafter.forward_train(taps, input_ids, cu, anchors, attention=attention)[:, 1:]  # [A, B-1, H]
     labels, valid = block_labels(input_ids, loss_mask, cu, anchors, B)
+    labels, trained, outside = drafter.draft_labels(labels, valid)  # (a draft vocabulary masks rows)
     target = None
     pos = (anchors[:, None] + torch.arange(B - 1, device=dev)).clamp(max=hidden.shape[0] - 1).reshape(-1)
     if full:
@@ -194,13 +197,13 @@ def dflash_loss(
         target_label=needs_target(terms),
     )
     if position_weights == "dpace":
-        w = dpace_weights(head.p_label.view(A, B - 1), valid, dpace_alpha)
+        w = dpace_weights(head.p_label.view(A, B - 1), trained, dpace_alpha)
     else:
-        w = decay_weights(B, gamma, dev)[None, :] * valid
+        w = decay_weights(B, gamma, dev)[None, :] * trained
     wsum = w.sum()
     used = _denom(wsum, denom, dev)
     main = (w.reshape(-1) * head.loss).sum()
-    hits = head.hits.view(A, B - 1)
+    hits = head.hits.view(A, B - 1) & trained  # (a label outside the draft vocabulary is a miss)
     accepted, blocks = block_acceptance(hits, valid)
     stats = zero_stats(B, dev, torch.float32)
     stats.update(
@@ -211,6 +214,7 @@ def dflash_loss(
         accepted=accepted,
         blocks=blocks,
         num_anchors=torch.tensor(A, device=dev),
+        label_oov=outside,
     )
     if target is not None:
         t_hits = head.target_hits.view(A, B - 1)

@@ -9,7 +9,9 @@ host sync) and the metrics a step logs from the sums (``metrics.jsonl``, :mod:`d
   ``weight_sum``, ``accepted``/``blocks`` (see :func:`block_acceptance`), ``walk_accepted``
   (DFlash2's greedy walk), ``target_accepted`` (the greedy run against the target's argmax, as
   greedy serving counts it), ``expected_accepted`` (the expected accepted length under sampling at
-  T = 1: ``sum_k prod_{j <= k} alpha_j`` a block, as DSpark's tau) and ``num_anchors``.
+  T = 1: ``sum_k prod_{j <= k} alpha_j`` a block, as DSpark's tau), ``num_anchors`` and ``label_oov``
+  (labels outside the draft vocabulary: masked in the loss, misses in the counts; ``draft_vocab_oov``
+  is their share of ``total``).
 * **Acceptance length** per block, as a cumulative product of hits (:func:`block_acceptance`,
   SpecForge's rule): a block accepts its leading run of correct top-1 predictions; an invalid label
   (past the end, or ``loss_mask = 0``) neither breaks the run nor counts. ``tau = 1 + accepted /
@@ -33,6 +35,7 @@ SCALARS = (
     "num_anchors",
     "target_accepted",
     "expected_accepted",
+    "label_oov",
 )
 
 

@@ -80,4 +80,9 @@ def selector_row_bytes(c) -> int:
     return 3 * c.selector_top_k * c.selector_rank * 4
 
 
-FAMILY = DFlash2(name="dflash2", architecture="DFlash2DraftModel")
+FAMILY = DFlash2(
+    name="dflash2",
+    architecture="DFlash2DraftModel",
+    draft_vocab_refused="its candidate selector picks among the full vocabulary before any draft-to-target "
+    "mapping (z-lab's reference and the serving engines)",
+)

@@ -96,7 +96,7 @@ class DSpark(Family):
         c, o = drafter.dcfg, drafter.dcfg.options
         if o["markov_rank"]:
             drafter.markov_head = MarkovHead(
-                c.vocab_size, o["markov_rank"], c.hidden_size, o["markov_head_type"]
+                c.vocab_size, o["markov_rank"], c.hidden_size, o["markov_head_type"], c.draft_vocab_size
             )
         if o["confidence_head"]:
             width = c.hidden_size + (o["markov_rank"] if o["confidence_head_with_markov"] else 0)

@@ -5,9 +5,10 @@ Contract (checkpoint names as DeepSpec's ``Qwen3DSparkModel`` and vLLM's and SGL
 load them):
 
 * **Markov head** (``markov_head.*``): ``markov_w1`` an embedding ``[V, r]`` of the previous token,
-  ``markov_w2`` a linear ``r -> V`` without bias (``markov_w2.weight [V, r]``). At proposal row ``k``
-  with backbone logits ``u_k``, final-normed state ``h_k`` and previous token ``x_{k-1}`` (row 0's is
-  the anchor) the logits are ``u_k + markov_w2(m_k)`` with the latent ``m_k``:
+  ``markov_w2`` a linear ``r -> N`` without bias (``markov_w2.weight [N, r]``; ``N`` the draft
+  vocabulary, ``V`` without one, as vLLM's ``DSparkMarkovHead``; the previous token is always a target
+  id). At proposal row ``k`` with backbone logits ``u_k``, final-normed state ``h_k`` and previous
+  token ``x_{k-1}`` (row 0's is the anchor) the logits are ``u_k + markov_w2(m_k)`` with the latent ``m_k``:
 
   - ``vanilla``: ``m_k = w1[x_{k-1}]``;
   - ``gated``: ``m_k = sigmoid(gate_proj([h_k, w1[x_{k-1}]])) * w1[x_{k-1}]`` (``gate_proj``:
@@ -32,11 +33,11 @@ VARIANTS = ("vanilla", "gated", "rnn")
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, vocab: int, rank: int, hidden: int, kind: str):
+    def __init__(self, vocab: int, rank: int, hidden: int, kind: str, draft_vocab: int | None = None):
         super().__init__()
         self.kind, self.rank = kind, rank
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_vocab or vocab, bias=False)
         if kind == "gated":
             self.gate_proj = nn.Linear(hidden + rank, rank)
         elif kind == "rnn":
@@ -107,8 +108,8 @@ def confidence_logits(drafter, h: torch.Tensor, e: torch.Tensor | None) -> torch
 def markov_walk(drafter, logits, hidden, anchor, temperature: float = 0.0, generator=None):
     """Decode one block as served: rows left to right, each row's logits plus the Markov bias of the
     previous choice (the anchor for row 0), greedy or drawn from ``softmax(logits / T)`` over the
-    vocabulary. Returns (drafts ``[P]``, the corrected logits ``[P, V]``, the confidence logits ``[P]``
-    or None)."""
+    vocabulary. Returns (drafts ``[P]`` as rows of the head, draft ids with a draft vocabulary, the
+    corrected logits ``[P, N]``, the confidence logits ``[P]`` or None)."""
     head = getattr(drafter, "markov_head", None)
     prev = torch.as_tensor(anchor, device=logits.device).long().reshape(())
     drafts, rows, embeds, s = [], [], [], None
@@ -120,11 +121,12 @@ def markov_walk(drafter, logits, hidden, anchor, temperature: float = 0.0, gener
             embeds.append(e)
         if temperature > 0:
             p = torch.softmax(row.float() / temperature, -1)
-            prev = torch.multinomial(p, 1, generator=generator)[0]
+            pick = torch.multinomial(p, 1, generator=generator)[0]
         else:
-            prev = row.argmax(-1)
-        drafts.append(prev)
+            pick = row.argmax(-1)
+        drafts.append(pick)
         rows.append(row)
+        prev = drafter.to_target(pick) if getattr(drafter, "d2t", None) is not None else pick  # (target ids)
     drafts = torch.stack(drafts)
     e = torch.stack(embeds) if embeds else None
     return drafts, torch.stack(rows), confidence_logits(drafter, hidden, e)

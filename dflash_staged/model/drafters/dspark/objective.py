@@ -6,7 +6,8 @@ DeepSpec's: ``loss_mask`` on the anchor and on the next token):
 
 * **Rows.** Every block row ``k = 0..B-1`` is a proposal for the token at ``a + k + 1``. A row counts
   while it and every earlier row of its block lie inside the sequence with ``loss_mask = 1`` (a
-  cumulative product, DeepSpec's ``eval_mask``) and weighs ``exp(-k / gamma)`` (``train.gamma``).
+  cumulative product, DeepSpec's ``eval_mask``) and weighs ``exp(-k / gamma)`` (``train.gamma``); a
+  label outside the draft vocabulary masks its row alone (:mod:`dflash_staged.model.drafters.vocab`).
 * **Logits.** ``u_k`` = the head's logits of the final-normed state (through the target's logit
   transform) plus the Markov bias of the data's previous token (teacher forcing,
   :mod:`.heads`). The target's ``p_k`` = softmax of its own logits at ``a + k`` (its stored last
@@ -53,8 +54,9 @@ def dspark_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
     o, B = d.dcfg.options, d.block_size
     out = d.forward_train(fb.taps, fb.input_ids, fb.cu, fb.anchors, attention=fb.attention)  # [A, B, H]
     labels, valid, prev, idx = block_rows(fb, B)
+    labels, trained, outside = d.draft_labels(labels, valid)  # (a draft vocabulary masks rows)
     k = torch.arange(B, device=out.device, dtype=torch.float32)
-    w = valid * torch.exp(-k / fb.gamma)[None]
+    w = trained * torch.exp(-k / fb.gamma)[None]
     head = getattr(d, "markov_head", None)
     m = e = None
     if head is not None:
@@ -70,8 +72,9 @@ def dspark_objective(fb: FamilyBatch) -> tuple[torch.Tensor, FamilyRows]:
     w2 = head.markov_w2.weight if head is not None else None
     total, *per_row = distill_head(out.reshape(R, H), None if m is None else m.reshape(R, -1), w2, x)
     ce, l1, accept, hits, t_hits = (v.view(valid.shape) for v in per_row[:5])
+    hits = hits & trained  # (a label outside the draft vocabulary is a miss)
     ce_sum, l1_sum = (w * ce).sum(), (w * l1).sum()
-    extra = {"dspark_ce_sum": ce_sum.detach(), "dspark_l1_sum": l1_sum.detach()}
+    extra = {"dspark_ce_sum": ce_sum.detach(), "dspark_l1_sum": l1_sum.detach(), "label_oov": outside}
     if conf is not None:
         bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
         conf_sum = (w * bce).sum()

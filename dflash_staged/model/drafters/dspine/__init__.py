@@ -135,6 +135,8 @@ class DSpine(Family):
 FAMILY = DSpine(
     name="dspine",
     architecture="DSpineDraftModel",
+    draft_vocab_refused="its transfer space and refined candidates are built over the full head, and no "
+    "reference or engine maps a DSpine draft vocabulary",
     needs_target=True,
     forced_causal=True,
     defaults={
