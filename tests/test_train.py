@@ -330,3 +330,24 @@ def test_a_replay_resumes_only_on_as_many_ranks(kept, tmp_path):
     assert r.returncode != 0 and "a replay resumes on as many ranks as it began with" in r.stderr, r.stderr[
         -2000:
     ]
+
+
+def test_a_replay_trains_a_draft_vocabulary_chosen_from_the_planned_counts(kept, tmp_path):
+    """The manifest keeps the loss tokens' counts, so a replay may set another draft vocabulary size: the
+    trainer chooses it as plan would, masks the labels outside, and the checkpoint carries it."""
+    from dflash_staged.model.drafters import vocab
+
+    args = ("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store")
+    r = run_dflash(
+        *args, "--out", tmp_path / "r", "--set", "drafter.draft_vocab_size=300", "--max-steps", "3"
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    want = vocab.choose(
+        vocab.counts_of(Manifest.open(kept / "manifest", readonly=True).meta["loss_tokens"]), 300
+    )
+    assert f"train: draft vocabulary: 300 of 2,048 tokens cover {want.coverage:.2%}" in r.stderr, r.stderr
+    lines = metrics(tmp_path / "r")
+    assert all(0 < x["draft_vocab_oov"] < 1 for x in lines)
+    ck = latest_checkpoint(tmp_path / "r")
+    d = load_drafter(ck, torch.zeros(2048, 128), torch.zeros(2048, 128))
+    assert d.to_target(torch.arange(300)).tolist() == want.ids.tolist()

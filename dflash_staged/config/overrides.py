@@ -40,6 +40,7 @@ REPLAY_OVERRIDABLE = {
         "final_logit_softcapping",
         "input_embedding_scale",
         "options",
+        "draft_vocab_size",
     },
     "train": {f.name for f in fields(TrainConfig)},
 }

@@ -47,7 +47,7 @@ def measure(manifest: str, store_dir: str, device: str | None, shards: int, sets
     with Manifest.open(manifest, readonly=True) as m:
         opts = TrainOptions(manifest=manifest, store=store_dir, out=None, overrides=parse_sets(sets))
         cfg = inputs.run_config(m, opts)
-        vocab = m.meta.get("draft_vocab")
+        vocab = m.meta.get("loss_tokens")
         store = ShardStore.open(store_dir, expect={"manifest_id": m.manifest_id})
         mine = HOST if m.meta.get(LAYOUT_KEY) == "node" else None  # node-local: only this node's store
         written = [j for j in m.jobs("written") if mine in (None, j.host)]

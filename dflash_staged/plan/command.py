@@ -51,14 +51,13 @@ def plan_manifest(
         data_path, cfg, skip_bad=skip_bad, progress=progress, chat=chat, tokenizer=tokenizer
     )
     plan = make_plan(samples.lengths(), cfg, epochs, seed)
-    extra = {"chat": chat.record()}
-    vocab = None
-    if cfg.drafter.draft_vocab_size:  # the drafter's head rows (model/drafters/vocab.py), in the manifest
-        from dflash_staged.model.drafters import vocab as dv
+    from dflash_staged.model.drafters import vocab as dv
 
-        counts = dv.loss_token_counts(samples.tokens, samples.loss_mask, dims.vocab_size)
-        vocab = dv.choose(counts, cfg.drafter.draft_vocab_size)
-        extra["draft_vocab"] = vocab.record()
+    # the loss tokens' counts, from which a draft vocabulary of any size is chosen (model/drafters/vocab.py)
+    counts = dv.loss_token_counts(samples.tokens, samples.loss_mask, dims.vocab_size)
+    extra = {"chat": chat.record(), "loss_tokens": dv.counts_record(counts)}
+    n = cfg.drafter.draft_vocab_size
+    vocab = dv.choose(counts, n) if n else None
     # meta "chat": how conversations were rendered; the trainer copies it into checkpoints for eval
     with Manifest.create(
         manifest_dir,

@@ -221,7 +221,7 @@ def build_drafter(
     """A freshly initialised drafter for this target and store, with the frozen embedding and head;
     ``init_from`` (``--init-from``): start from another run's (or checkpoint's) weights instead;
     ``resuming``: a checkpoint's weights will replace them, so no initialisation from the target;
-    ``draft_vocab``: the manifest's record of the planned draft vocabulary (``drafter.draft_vocab_size``)."""
+    ``draft_vocab``: the manifest's loss-token counts, whence the draft vocabulary (``draft_vocab_size``)."""
     from dflash_staged.model.drafters.backbone import DFlashDrafter
     from dflash_staged.model.drafters.weights import validate_mask_token
     from dflash_staged.model.target import load_tokenizer
@@ -251,15 +251,21 @@ def build_drafter(
 
 
 def planned_vocab(dcfg, record: dict | None) -> torch.Tensor | None:
-    """The draft vocabulary's ids from the manifest's record, checked against the drafter's size."""
+    """The draft vocabulary of ``drafter.draft_vocab_size`` from the manifest's loss-token counts
+    (``record``; :mod:`dflash_staged.model.drafters.vocab`), or None without one."""
     n = dcfg.draft_vocab_size
-    have = int(record["size"]) if record else 0
-    if (n or 0) != have:
+    if not n:
+        return None
+    if record is None:
         raise DflashError(
-            f"drafter.draft_vocab_size = {n or 0} but the manifest was planned with "
-            f"{have or 'no draft vocabulary'}: set it to {have} or plan again with the new value"
+            f"drafter.draft_vocab_size = {n}, but the manifest holds no loss-token counts to choose it from "
+            "(planned by an older version): plan again"
         )
-    return torch.as_tensor(record["ids"], dtype=torch.long) if n else None
+    from dflash_staged.model.drafters import vocab
+
+    v = vocab.choose(vocab.counts_of(record), n)
+    print(f"train: {v.line(dcfg.vocab_size)}", file=sys.stderr, flush=True)
+    return torch.as_tensor(v.ids, dtype=torch.long)
 
 
 def init_from_target_layers(cfg: Config, drafter, fresh):

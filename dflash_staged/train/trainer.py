@@ -267,7 +267,7 @@ def build_trainer(opts: TrainOptions, extra_states: dict[str, ckpt.Stateful] | N
         store.cleanup_temp(claimed=m.holds_claim, unwanted=unwanted_on(m, node))
     norm = target_norm_for(cfg, store, device)  # refuses a loss on the target without its last layer
     drafter = build_drafter(
-        cfg, store, device, opts.init_from, resuming=resuming, draft_vocab=m.meta.get("draft_vocab")
+        cfg, store, device, opts.init_from, resuming=resuming, draft_vocab=m.meta.get("loss_tokens")
     )
     model = DrafterModel(
         drafter, cfg.train, device, dist.rank, norm, inputs.train_device_bytes(cfg, device), store.meta.topk,

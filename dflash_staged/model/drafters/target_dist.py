@@ -74,7 +74,7 @@ class TopK(NamedTuple):
         tail = self.tail().float()
         d = t2d.to(self.ids.device)[self.ids.long()]
         logp = torch.where(d >= 0, self.logp.float(), float("-inf"))
-        logp, order = logp.sort(-1, descending=True, stable=True)
+        logp, order = logp.sort(dim=-1, descending=True, stable=True)
         d = d.gather(1, order)
         d = torch.where(torch.isfinite(logp), d, d[:, :1].clamp_min(0))
         z = torch.logaddexp(torch.logsumexp(logp, -1), tail)

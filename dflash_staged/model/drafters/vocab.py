@@ -6,8 +6,9 @@ Contract (``dflash plan`` chooses it, the trainer and ``dflash eval`` use it, th
   ``loss_mask = 1`` (the tokens the drafter is trained to propose). The vocabulary is the ``N`` most
   frequent, ties to the lower id, then sorted by target id; tokens never seen fill the rest in id
   order when fewer than ``N`` were seen. ``coverage`` is the share of loss-bearing tokens inside. The
-  choice is a pure function of the samples and ``N``; the manifest records it (:meth:`DraftVocab.record`)
-  so every host's trainer reads the same table.
+  choice is a pure function of the counts and ``N``: ``plan`` records the counts in the manifest
+  (:func:`counts_record`, key ``loss_tokens``), so every host's trainer, and a replay that sets another
+  ``drafter.draft_vocab_size``, choose the same table without the data.
 * **The drafter's head** is the target's frozen head restricted to those rows, in that order: draft id
   ``i`` is target id ``ids[i]``. A checkpoint stores it as ``lm_head.weight [N, H]`` beside ``d2t [N]``
   (int64), EAGLE-3's offsets ``ids[i] - i``, and ``draft_vocab_size: N`` in ``config.json``: what vLLM's
@@ -49,27 +50,24 @@ class DraftVocab:
     def coverage(self) -> float:
         return self.covered / self.loss_tokens if self.loss_tokens else 1.0
 
-    def record(self) -> dict:
-        """What the manifest keeps (JSON)."""
-        return {
-            "size": self.size,
-            "ids": [int(i) for i in self.ids],
-            "loss_tokens": self.loss_tokens,
-            "covered": self.covered,
-            "seen": self.seen,
-        }
-
-    @classmethod
-    def from_record(cls, r: dict) -> DraftVocab:
-        ids = np.asarray(r["ids"], dtype=np.int64)
-        return cls(ids, int(r["loss_tokens"]), int(r["covered"]), int(r["seen"]))
-
     def line(self, vocab_size: int) -> str:
-        """One line for ``plan`` and ``data show``."""
+        """One line for ``plan`` and the trainer."""
         return (
             f"draft vocabulary: {self.size:,} of {vocab_size:,} tokens cover {self.coverage:.2%} of "
             f"{self.loss_tokens:,} loss tokens ({self.seen:,} distinct seen); labels outside are masked"
         )
+
+
+def counts_record(counts: np.ndarray) -> dict:
+    """The loss-token counts as the manifest keeps them (JSON, sparse): any size is chosen from it."""
+    seen = np.flatnonzero(counts)
+    return {"vocab_size": int(counts.size), "ids": seen.tolist(), "counts": counts[seen].tolist()}
+
+
+def counts_of(record: dict) -> np.ndarray:
+    counts = np.zeros(int(record["vocab_size"]), dtype=np.int64)
+    counts[np.asarray(record["ids"], dtype=np.int64)] = np.asarray(record["counts"], dtype=np.int64)
+    return counts
 
 
 def loss_token_counts(tokens: np.ndarray, loss_mask: np.ndarray, vocab_size: int) -> np.ndarray:
