@@ -134,6 +134,8 @@ def load(
             "lm_head.weight": Param((draft_vocab, H)),
         }
     )
+    if draft_vocab != V:  # a draft vocabulary: its own head and the draft-to-target offsets
+        params["draft_id_to_target_id"] = Param((draft_vocab,))
     scale = float(c.get("logit_scale", 1.0))
     view = {
         "block": k + 1 if arch != "Qwen3DSparkModel" else k,

@@ -5,7 +5,9 @@ config reads and weight loaders and ``tests/test_engine_contract.py`` holds the 
 
 * :func:`serving_problems` ``(dcfg) -> [line]``: one line for each engine (and version) that would refuse
   this drafter config, or load it and draft with other numbers than it was trained with. Empty for a
-  plain DFlash or DFlash2 drafter. Engines: **vLLM 0.33.0** (``vllm/model_executor/models/qwen3_dflash.py``,
+  plain DFlash or DFlash2 drafter. A draft vocabulary (``draft_vocab_size``): vLLM reads it for DFlash
+  and DSpark; llama.cpp's converter only for DSpark; SGLang for neither.
+  Engines: **vLLM 0.33.0** (``vllm/model_executor/models/qwen3_dflash.py``,
   ``qwen3_dflash2.py``, ``qwen3_dspark.py``), **SGLang 0.5.23** (``python/sglang/srt/models/dflash.py``,
   ``dspark.py``, ``speculative/dflash_utils.py``, ``speculative/dspark_components/dspark_config.py``),
   **llama.cpp** as vendored by llama-cpp-python 0.3.36 (``conversion/qwen.py``,
@@ -112,6 +114,11 @@ def serving_problems(dcfg) -> list[str]:
             "table only for DSpark, so the DFlash checkpoint's d2t is refused; vLLM serves it"
         )
         out.append(_line([LLAMACPP], why))
+        why = (
+            "reads no draft_vocab_size: models/dflash.py silently ignores lm_head.weight and d2t and drafts "
+            "with the target's head over the whole vocabulary, not the head it was trained with"
+        )
+        out.append(_line([SGLANG], why))
     if fam == "dspark":
         out += _dspark_problems(dcfg)
     return out
@@ -119,6 +126,12 @@ def serving_problems(dcfg) -> list[str]:
 
 def _dspark_problems(dcfg) -> list[str]:
     o, out = dcfg.options, []
+    if dcfg.draft_vocab_size and o["markov_rank"]:
+        why = (
+            f"refuses draft_vocab_size = {dcfg.draft_vocab_size}: models/dspark.py builds markov_w2 over the "
+            "whole vocabulary and cannot load the checkpoint's (N x rank); vLLM and llama.cpp serve it"
+        )
+        out.append(_line([SGLANG], why))
     if (why := unservable(dcfg)) is not None:
         out.append(_line([VLLM, SGLANG, LLAMACPP], why))
     kind = o["markov_head_type"]
