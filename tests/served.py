@@ -8,7 +8,8 @@
   so the tokenizer's pieces matter only to the converter; eos (2) ends a generation on both sides.
 * :func:`fitted_checkpoint`: a drafter of a family, started from the target's top layers and trained
   (the project's own objective, ``fit_to_target``) on the target's greedy continuations of the prompts,
-  saved with ``save_drafter`` in float32.
+  saved with ``save_drafter`` in float32; with ``draft_vocab`` > 0, over a draft vocabulary of that many
+  rows chosen (``vocab.choose``) from the tokens of those continuations and of the prompts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dflash_staged.model.drafters.weights import save_drafter
 from dflash_staged.model.target import load_target
 from dflash_staged.model.target.tiny import MASK, VOCAB, _corpus
 
-from planted import fit_to_target, planted_target
+from planted import fit_to_target, greedy_continuation, planted_target
 
 LAYERS = [1, 3]
 BLOCKS = {"dflash": 8, "dflash2": 8, "dspark": 7}
@@ -65,7 +66,9 @@ def prompts(n: int, length: int = 12, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(4, 400, (length,), generator=g) for _ in range(n)]
 
 
-def fitted_checkpoint(out: Path, family: str, target, target_dir: Path, ps, new_tokens: int) -> Path:
+def fitted_checkpoint(
+    out: Path, family: str, target, target_dir: Path, ps, new_tokens: int, draft_vocab: int = 0
+) -> Path:
     from dflash_staged.model.drafters.init import init_from_target
     from dflash_staged.model.target.weights import load_embed_and_head
 
@@ -80,11 +83,28 @@ def fitted_checkpoint(out: Path, family: str, target, target_dir: Path, ps, new_
         fit = {"options": {"ce_weight": 1.0, "l1_weight": 0.0}}
     tcfg = TargetConfig(model=str(target_dir))
     embed, head = load_embed_and_head(tcfg)
+    ids = None
+    if draft_vocab:
+        ids = draft_vocab_ids(target, ps, new_tokens + BLOCKS[family], draft_vocab)
+        cfg.drafter.draft_vocab_size = draft_vocab
     torch.manual_seed(0)
-    d = DFlashDrafter(DraftModelConfig.from_config(cfg, 128, VOCAB, 6, LAYERS, MASK), embed, head)
+    d = DFlashDrafter(DraftModelConfig.from_config(cfg, 128, VOCAB, 6, LAYERS, MASK), embed, head, ids)
     init_from_target(d, tcfg)
     fit_to_target(d, target, ps, new_tokens, steps=100, lr=5e-3 if family == "dspark" else 3e-3, **fit)
     return save_drafter(d, out)
+
+
+def draft_vocab_ids(target, ps, new_tokens: int, n: int) -> torch.Tensor:
+    """The ``n`` draft-vocabulary ids (sorted target ids) chosen from every token of the prompts and of
+    the target's greedy continuations of them (``new_tokens`` each: what ``fit_to_target`` trains on);
+    every continuation token is inside, so a served decode of these prompts never needs one outside."""
+    from dflash_staged.model.drafters.vocab import choose, loss_token_counts
+
+    seqs = [greedy_continuation(target, p, new_tokens) for p in ps]
+    tokens = torch.cat(seqs).numpy()
+    vocab = choose(loss_token_counts(tokens, tokens >= 0, VOCAB), n)
+    assert vocab.coverage == 1.0, f"{n} draft ids leave out {vocab.loss_tokens - vocab.covered} tokens"
+    return torch.from_numpy(vocab.ids)
 
 
 def step_oracle(ckpt: Path, target, prompt: torch.Tensor, out: list[int], eps: float = 0.0, seed: int = 0):

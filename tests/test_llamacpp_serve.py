@@ -12,10 +12,12 @@ import json
 import os
 import platform
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 
+from dflash_staged.config import load_config
 from dflash_staged.errors import DflashError
 
 from served import fitted_checkpoint, judge_steps, prompts, save_served_target, served_target
@@ -33,12 +35,13 @@ def served(tmp_path_factory, llama_bin):
     return {"root": root, "target_dir": tdir, "target": served_target(tdir), "prompts": ps, "file": path}
 
 
-def fitted(served, family: str):
-    """The module's drafter of ``family`` fitted to the planted target (trained once, then reused)."""
-    ckpt = served["root"] / family / "ckpt"
+def fitted(served, family: str, draft_vocab: int = 0):
+    """The module's drafter of ``family`` fitted to the planted target (trained once, then reused); with
+    ``draft_vocab`` > 0, over a draft vocabulary of that many rows."""
+    ckpt = served["root"] / (f"{family}-v{draft_vocab}" if draft_vocab else family) / "ckpt"
     if not (ckpt / "config.json").is_file():
         args = (served["target"], served["target_dir"], served["prompts"], NEW_TOKENS)
-        fitted_checkpoint(ckpt, family, *args)
+        fitted_checkpoint(ckpt, family, *args, draft_vocab=draft_vocab)
     return ckpt
 
 
@@ -78,6 +81,80 @@ def test_served_tau_equals_dflash_eval_step_for_step(served, family):
     assert a["final_steps_excluded"] == 3 and a["steps"] >= 15
     assert run["tau"] > 2.0, run["tau"]  # the fitted drafter is accepted: not a comparison of rejections
     assert (root / "serve" / "serve_eval.json").is_file()
+
+
+DRAFT_VOCAB = 256  # of the target's 2,048 ids: every token of the prompts and their continuations inside
+
+
+def test_a_dspark_drafter_with_a_draft_vocabulary_serves_step_for_step(served):
+    """A DSpark drafter whose head is 256 of the target's 2,048 rows (``lm_head.weight`` + ``d2t``):
+    llama.cpp's converter writes its ``d2t`` as absolute target ids (its own range and uniqueness checks
+    passed), the server maps each draft row back through it, the outputs equal plain greedy decoding and
+    ``dflash eval``'s, and every served step commits what ``dflash eval``'s drafter commits there (the
+    judge of the test above, the same bounds)."""
+    from safetensors import safe_open
+
+    from dflash_staged.evaluate.report import run_eval
+    from dflash_staged.model.drafters.vocab import ids_of
+    from dflash_staged.serve.evaluate import serve_eval
+
+    ckpt = fitted(served, "dspark", DRAFT_VOCAB)
+    assert json.loads((ckpt / "config.json").read_text())["draft_vocab_size"] == DRAFT_VOCAB
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        assert f.get_slice("lm_head.weight").get_shape() == [DRAFT_VOCAB, 128]
+        assert f.get_slice("markov_head.markov_w2.weight").get_shape() == [DRAFT_VOCAB, 16]
+        ids = ids_of(f.get_tensor("d2t"))
+    out = served["root"] / f"dspark-v{DRAFT_VOCAB}" / "serve"
+    rep = serve_eval(ckpt, served["target_dir"], served["file"], out, NEW_TOKENS, quiet=True, kind="cpu")
+    conversion = (out / "gguf" / "drafter-f32.gguf.log").read_text()
+    assert f"d2t,{' ' * 26} --> I64, shape = {{{DRAFT_VOCAB}}}" in conversion, conversion[-2000:]
+    (run,) = rep["runs"]
+    server_log = Path(run["log"]).read_text(errors="replace")  # (token pieces: bytes)
+    assert f"DFlash using d2t mapping (draft_vocab_size = {DRAFT_VOCAB})" in server_log
+    assert run["lossless"] == {"identical_prompts": 3, "prompts": 3}
+    ev = run_eval(ckpt, str(served["target_dir"]), served["file"], NEW_TOKENS, device="cpu", quiet=True)
+    assert [r["tokens"] for r in run["per_prompt"]] == [r["tokens"] for r in ev["per_prompt"]]
+    inside = set(ids.tolist())
+    for prompt, r in zip(served["prompts"], run["per_prompt"]):
+        assert set(r["tokens"]) <= inside  # every output token a draft could have proposed
+        same, tie, wide = judge_steps(ckpt, served["target"], prompt, r["tokens"], r["accepted"])
+        assert wide == [] and len(tie) <= 1, (r["line"], r["accepted"], tie, wide)
+        assert len(same) >= len(r["accepted"]) - 2
+    assert run["tau"] > 2.0, run["tau"]  # drafts mapped back to the right target ids are accepted
+
+
+def test_a_dflash_drafter_with_a_draft_vocabulary_is_refused_for_llama_cpp(tmp_path):
+    """llama.cpp's converter writes ``d2t`` only for DSpark: ``dflash serve eval`` and ``serve export`` of
+    a DFlash drafter with a draft vocabulary stop in one line before building or converting anything
+    (no llama.cpp build needed)."""
+    from click.testing import CliRunner
+
+    from dflash_staged.cli import main
+    from dflash_staged.model.drafters.backbone import DFlashDrafter, DraftModelConfig
+    from dflash_staged.model.drafters.weights import save_drafter
+    from dflash_staged.model.target.tiny import MASK, VOCAB
+
+    from served import LAYERS
+
+    cfg = load_config("configs/tiny.toml")
+    cfg.drafter.dtype, cfg.drafter.architecture, cfg.drafter.draft_vocab_size = "float32", "dflash", 64
+    g = torch.Generator().manual_seed(0)
+    embed, head = torch.randn(VOCAB, 128, generator=g), torch.randn(VOCAB, 128, generator=g)
+    ids = torch.randperm(VOCAB, generator=g)[:64].sort().values
+    dcfg = DraftModelConfig.from_config(cfg, 128, VOCAB, 6, LAYERS, MASK)
+    ckpt = save_drafter(DFlashDrafter(dcfg, embed, head, ids), tmp_path / "ckpt")
+    runs = {
+        "eval": ["--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "eval"), "--kind", "cpu"],
+        "export": ["--out", str(tmp_path / "export")],
+    }
+    for cmd, rest in runs.items():
+        args = ["serve", cmd, "--drafter", str(ckpt), "--target", str(tmp_path / "target"), *rest]
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1, r.output
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "draft_vocab_size=64" in lines[0]
+        assert "only for DSpark" in lines[0], lines
+    assert not (tmp_path / "eval").exists() and not (tmp_path / "export").exists()
 
 
 def test_the_planted_target_has_no_near_tie_on_the_served_prompts(served):

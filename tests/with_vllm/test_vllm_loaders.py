@@ -14,12 +14,23 @@ the guard asks for vLLM's own files).
   parts), and the only parameters left are the target's shared embedding and head and the mask
   embedding vLLM takes from it. vLLM's CPU (V1) model runner refuses DFlash2 and DSpark; that check is
   recorded (and asserted), not applied, so their classes load here as on a GPU.
+* **Draft vocabulary** (``draft_vocab_size``, DFlash and DSpark: ``lm_head.weight [N, H]`` and ``d2t``
+  in ``model.safetensors``). Its ``N`` (100) is not a multiple of vLLM's vocabulary padding (64), so
+  its ``ParallelLMHead`` rows (and DSpark's ``markov_w2``'s) are 128: the rows past ``N`` are zeroed
+  by their loader, and its logits are cut to ``N``. Asserted besides: vLLM's ``draft_id_to_target_id`` is
+  our ``d2t``, it marks the drafter as having its own head (``has_own_lm_head``: the target's is
+  not shared), and it maps draft ids back to ours: DFlash's ``compute_logits`` puts our logits at
+  the vocabulary's target ids and ``-inf`` elsewhere, DSpark's ``map_draft_to_target`` gives our ids
+  (its Markov head ``markov_w1 [V, r]``, ``markov_w2 [N, r]``).
 * **Serving.** A DFlash drafter fitted to the planted tiny target (``tests/planted.py``) and written as the
   trainer writes it (``trainer/`` present: the regression test for vLLM reading
   ``trainer_state.safetensors``) served by ``dflash serve eval --engine vllm``'s code without its baseline
   engine (one engine a module); the outputs are compared with plain greedy decoding of the target in
   this process (its margins are planted wide, so float32 kernels cannot flip a token), and the steps
-  with this project's own speculative decode of the same checkpoint (``dflash eval``'s).
+  with this project's own speculative decode of the same checkpoint (``dflash eval``'s). The same for
+  one fitted over a draft vocabulary (300 rows, chosen from the tokens it is fitted on, so every
+  token of the decode is inside); its engine's log (vLLM at INFO) must say the drafter keeps its own
+  ``lm_head`` and never that it shares the target's.
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ SHARED = {"model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding"}
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 D2 = dict(architecture="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4)
 SPARK = dict(markov_rank=8, markov_head_type="vanilla")
+VOCAB_N = 100  # a draft vocabulary's rows: not a multiple of vLLM's padding (64)
+PADDED = {"lm_head.weight", "model.markov_head.markov_w2.weight"}  # ParallelLMHead: rows padded to 64
 V1_REFUSES = {
     "dflash": [],
     "dflash2": ["DFlash candidate-head drafts"],
@@ -72,11 +85,14 @@ CASES = {  # name -> (DraftModelConfig fields, outcome)
     ),
     "dspark-gated": (dict(architecture="dspark", options={**SPARK, "markov_head_type": "gated"}), "refused"),
     "dspark-rnn": (dict(architecture="dspark", options={**SPARK, "markov_head_type": "rnn"}), "refused"),
+    "dflash-draft-vocab": (dict(draft_vocab_size=VOCAB_N), "ok"),
+    "dspark-draft-vocab": (dict(architecture="dspark", options=SPARK, draft_vocab_size=VOCAB_N), "ok"),
 }
 
 
 def tiny(**fields) -> DFlashDrafter:
-    """A float32 drafter for the tiny target (hidden 128, 6 layers, vocabulary 2048): 2 layers, block 4."""
+    """A float32 drafter for the tiny target (hidden 128, 6 layers, vocabulary 2048): 2 layers, block 4;
+    with ``draft_vocab_size``, over that many distinct target ids drawn from the whole vocabulary."""
     base = dict(
         hidden_size=128,
         intermediate_size=96,
@@ -93,7 +109,10 @@ def tiny(**fields) -> DFlashDrafter:
     )
     g = torch.Generator().manual_seed(0)
     dcfg = DraftModelConfig(**{**base, **fields})
-    return DFlashDrafter(dcfg, torch.randn(2048, 128, generator=g), torch.randn(2048, 128, generator=g))
+    embed, head = torch.randn(2048, 128, generator=g), torch.randn(2048, 128, generator=g)
+    n = dcfg.draft_vocab_size
+    ids = torch.randperm(2048, generator=g)[:n].sort().values if n else None
+    return DFlashDrafter(dcfg, embed, head, ids)
 
 
 def write_as_trainer(drafter: DFlashDrafter, run_dir, step: int = 8):
@@ -148,7 +167,8 @@ def vllm_config(target_dir, ckpt, dcfg, monkeypatch):
 
 def load_into_vllm(vc):
     """(vLLM's drafter model, the checkpoint's tensors as vLLM's loader read them): built and loaded as
-    vLLM builds its drafter, every parameter first filled with NaN."""
+    vLLM builds its drafter, every parameter first filled with NaN (an integer one, ``d2t``'s, with its
+    dtype's least value: :func:`unfilled`)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
     from vllm.model_executor.model_loader import get_model_loader
@@ -163,7 +183,7 @@ def load_into_vllm(vc):
         model = initialize_model(vc, model_config=dmc)
         with torch.no_grad():
             for p in model.parameters():
-                p.fill_(float("nan"))
+                p.fill_(float("nan") if p.is_floating_point() else torch.iinfo(p.dtype).min)
         read: dict[str, torch.Tensor] = {}
 
         def weights():
@@ -175,8 +195,16 @@ def load_into_vllm(vc):
     return model, read
 
 
+def unfilled(t: torch.Tensor) -> torch.Tensor:
+    """Where ``t`` still holds :func:`load_into_vllm`'s fill."""
+    return torch.isnan(t) if t.is_floating_point() else t == torch.iinfo(t.dtype).min
+
+
 def sources(param: str) -> list[str]:
-    """The checkpoint keys a vLLM parameter is loaded from (``model.`` added, stacked projections fused)."""
+    """The checkpoint keys a vLLM parameter is loaded from (``model.`` added, stacked projections fused,
+    ``d2t`` renamed)."""
+    if param == "draft_id_to_target_id":
+        return ["d2t"]
     name = param if param.startswith("lm_head") else param.removeprefix("model.")
     for fused, parts in STACKED.items():
         if f".{fused}." in name:
@@ -211,14 +239,66 @@ def test_vllm_s_drafter_class_loads_the_trainer_s_checkpoint(name, target_config
             continue
         if not all(k in saved for k in keys):
             left.add(pname)
-            assert torch.isnan(p).all(), f"{pname}: filled, but from no checkpoint key"
+            assert unfilled(p).all(), f"{pname}: filled, but from no checkpoint key"
             continue
         want_t = torch.cat([saved[k] for k in keys]) if len(keys) > 1 else saved[keys[0]]
+        if pname in PADDED and p.shape[0] > want_t.shape[0]:  # a draft vocabulary's rows padded to 64,
+            n = want_t.shape[0]  # the padding zeroed by the head's loader
+            assert p.shape[0] == -(-n // 64) * 64 and not p[n:].any(), (pname, tuple(p.shape))
+            p = p[:n]
         assert tuple(p.shape) == tuple(want_t.shape), (pname, tuple(p.shape), tuple(want_t.shape))
         assert torch.equal(p.detach().cpu(), want_t), f"{pname}: other values than {keys}"
         used |= set(keys)
     assert used == set(saved), f"checkpoint keys no vLLM parameter took: {sorted(set(saved) - used)}"
     assert left <= SHARED, f"vLLM parameters nothing loaded: {sorted(left - SHARED)}"
+
+
+@pytest.mark.parametrize("name", ["dflash-draft-vocab", "dspark-draft-vocab"])
+def test_vllm_maps_a_draft_vocabulary_back_to_our_target_ids(name, target_config_dir, tmp_path, monkeypatch):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    drafter = tiny(**CASES[name][0])
+    dcfg, N = drafter.dcfg, VOCAB_N
+    ids = drafter.to_target(torch.arange(N))
+    assert dcfg.draft_vocab_size == N and not torch.equal(ids, torch.arange(N))  # (not a prefix)
+    ckpt = write_as_trainer(drafter, tmp_path / "run")
+    assert json.loads((ckpt / "config.json").read_text())["draft_vocab_size"] == N
+    vc, _ = vllm_config(target_config_dir, ckpt, dcfg, monkeypatch)
+    assert vc.speculative_config.draft_model_config.hf_config.draft_vocab_size == N
+    model, read = load_into_vllm(vc)
+    with set_current_vllm_config(vc):  # as vLLM's loader does next (the CPU's linear kernels)
+        process_weights_after_loading(model, vc.speculative_config.draft_model_config, torch.device("cpu"))
+    assert torch.equal(read["d2t"], drafter.d2t) and read["d2t"].dtype == torch.int64
+    assert torch.equal(model.draft_id_to_target_id.detach(), drafter.d2t)
+    assert model.has_own_lm_head, "vLLM would share the target's head (all 2048 rows) with the drafter"
+    assert model.lm_head.org_vocab_size == N and model.logits_processor.vocab_size == N
+    assert torch.equal(model.lm_head.weight.detach()[:N], drafter.lm_head_weight)
+    h = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = drafter.logits(h)  # [5, N]: the rows of the draft vocabulary
+        if dcfg.family.name == "dspark":
+            r = dcfg.options["markov_rank"]
+            mh = model.model.markov_head
+            assert tuple(mh.markov_w1.weight.shape) == (2048, r)
+            assert mh.markov_w2.org_vocab_size == N and tuple(mh.markov_w2.weight[:N].shape) == (N, r)
+            assert torch.equal(mh.markov_w2.weight[:N], drafter.markov_head.markov_w2.weight)
+            assert torch.equal(model.map_draft_to_target(torch.arange(N)), ids)
+            draft = model.compute_draft_logits(h)  # the speculator's logits over the N rows
+            assert draft.shape == (5, N)
+            torch.testing.assert_close(draft, ours)
+            prev = ids[torch.tensor([0, 7, 99])]  # the previous token is a target id: w1's row of it
+            ours_head = drafter.markov_head
+            bias = model.markov_bias(model.markov_embed(prev))  # [3, N]
+            torch.testing.assert_close(bias, ours_head.markov_w2(ours_head.markov_w1(prev)))
+        else:
+            logits = model.compute_logits(h)  # scattered to the target's vocabulary
+            assert logits.shape == (5, 2048)
+            outside = torch.ones(2048, dtype=torch.bool)
+            outside[ids] = False
+            assert torch.isneginf(logits[:, outside]).all() and torch.isfinite(logits[:, ids]).all()
+            torch.testing.assert_close(logits[:, ids], ours)
+            assert torch.equal(logits.argmax(-1), drafter.to_target(ours.argmax(-1)))
 
 
 def test_vllm_has_no_dspine_class():
@@ -231,7 +311,11 @@ def test_vllm_has_no_dspine_class():
     assert any("vLLM" in line for line in serving_problems(spine.dcfg))
 
 
-def test_the_trainer_s_checkpoint_serves_in_vllm_losslessly(tmp_path_factory):
+def serve_fitted(tmp, draft_vocab: int = 0):
+    """A DFlash drafter fitted to the planted target (over ``draft_vocab`` rows, 0: all) and written as
+    the trainer writes it, served by ``dflash serve eval --engine vllm``'s code and compared with plain
+    greedy decoding and with ``dflash eval``'s decode of the same checkpoint: (the run's record, the
+    drafter, its engine's log, vLLM's INFO lines included)."""
     import sys
     from pathlib import Path
 
@@ -243,11 +327,10 @@ def test_the_trainer_s_checkpoint_serves_in_vllm_losslessly(tmp_path_factory):
     from planted import greedy_continuation, planted_target
     from served import LAYERS, fitted_checkpoint, prompts
 
-    tmp = tmp_path_factory.mktemp("served")
     target = planted_target(LAYERS)
     target.model.save_pretrained(tmp / "target")
     ps, n = prompts(4), 24
-    fitted = fitted_checkpoint(tmp / "fit", "dflash", target, tmp / "target", ps, n)
+    fitted = fitted_checkpoint(tmp / "fit", "dflash", target, tmp / "target", ps, n, draft_vocab=draft_vocab)
     embed, head = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
     drafter = load_drafter(fitted, embed, head, device="cpu", dtype=torch.float32)
     write_as_trainer(drafter, tmp / "run", step=100)
@@ -261,7 +344,7 @@ def test_the_trainer_s_checkpoint_serves_in_vllm_losslessly(tmp_path_factory):
     (tmp / "eval.json").write_text(json.dumps({"per_prompt": ours}))
     rep = serve_eval_vllm(
         tmp / "run", str(tmp / "target"), tmp / "p.jsonl", tmp / "out", n,
-        baseline=False, compare=tmp / "eval.json", log=False, quiet=True,
+        baseline=False, compare=tmp / "eval.json", log=True, quiet=True,
     )  # fmt: skip
     (run,) = rep["runs"]
     for rec, p in zip(run["per_prompt"], ps):
@@ -279,3 +362,23 @@ def test_the_trainer_s_checkpoint_serves_in_vllm_losslessly(tmp_path_factory):
         end="",
     )
     print(f"/{a['steps']} steps identical")
+    return run, drafter, (tmp / "out" / "logs" / "vllm-spec.log").read_text(errors="replace")
+
+
+OWN_HEAD = "Keeping separate lm_head weights from the target model"  # vLLM's proposer, as it loads
+SHARED_HEAD = "Sharing target model lm_head weights"
+
+
+def test_the_trainer_s_checkpoint_serves_in_vllm_losslessly(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # (the engine's processes read it as they start)
+    _, _, log = serve_fitted(tmp_path_factory.mktemp("served"))
+    assert SHARED_HEAD in log and OWN_HEAD not in log, log[-4000:]  # (no lm_head saved: the target's)
+
+
+def test_a_draft_vocabulary_drafter_serves_in_vllm_losslessly(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    run, drafter, log = serve_fitted(tmp_path_factory.mktemp("served-vocab"), draft_vocab=300)
+    assert drafter.dcfg.draft_vocab_size == 300 and drafter.d2t is not None
+    ids = set(drafter.to_target(torch.arange(300)).tolist())
+    assert all(set(r["tokens"]) <= ids for r in run["per_prompt"])  # (the decode never needs one outside)
+    assert OWN_HEAD in log and SHARED_HEAD not in log, log[-4000:]  # its 300 rows, not the target's 2048
