@@ -488,3 +488,21 @@ def test_metrics_that_cannot_be_written_stop_in_one_line_and_passes_must_be_posi
         MetricsLog(tmp_path, enabled=True).write({"step": 3, "loss": 1.0})
     code, out = cli("train", "--replay", "--manifest", tmp_path, "--out", tmp_path / "o", "--passes", "0")
     assert code == 2 and "--passes" in out and "0 is not in the range x>=1" in out, out
+
+
+def test_cpu_bf16_follows_the_cpu_s_flags_and_refuses_emulation():
+    """train.cpu_bf16: "auto" is on exactly where /proc/cpuinfo lists bf16 instructions, "on" is refused
+    where it does not (on any CPU this test runs on, one branch or the other is checked)."""
+    from pathlib import Path
+
+    from dflash_staged.errors import DflashError
+    from dflash_staged.train.trained_drafter import cpu_bf16
+
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    has = bool(flags & {"amx_bf16", "avx512_bf16"})
+    assert cpu_bf16("off") is False and cpu_bf16("auto") is has
+    if has:
+        assert cpu_bf16("on") is True
+    else:
+        with pytest.raises(DflashError, match="bf16 would be emulated"):
+            cpu_bf16("on")

@@ -44,6 +44,10 @@ class TrainConfig:
     # Attention in training: "flex" (block-sparse flex_attention, CUDA), "sdpa" (dense masks), or
     # "auto" = flex on CUDA, sdpa elsewhere. See dflash_staged/model/drafters/flex.py.
     attention: str = "auto"
+    # bf16 autocast of the drafter's forward on a CPU (fp32 master weights; the head and the loss stay fp32):
+    # "off", "on" (refused on a CPU without AMX or AVX-512 BF16, where it would be emulated slowly) or
+    # "auto" (on where /proc/cpuinfo lists amx_bf16 or avx512_bf16). CUDA always uses bf16 autocast.
+    cpu_bf16: str = "off"
     # Loss weight per block offset: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE: detached weights
     # from the drafter's own probability of each label, smoothed by dpace_alpha; see train/objective.py).
     position_weights: str = "decay"
@@ -123,6 +127,9 @@ class TrainConfig:
         _check(
             self.attention in ATTENTION_CHOICES,
             f"train.attention={self.attention!r}: use one of {', '.join(ATTENTION_CHOICES)}",
+        )
+        _check(
+            self.cpu_bf16 in ("off", "on", "auto"), f"train.cpu_bf16={self.cpu_bf16!r}: use off, on or auto"
         )
         bad = sorted(set(self.loss) - set(LOSS_TERMS))
         _check(

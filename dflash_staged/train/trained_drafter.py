@@ -3,10 +3,12 @@ frozen embedding and head, the target's top layers or another run's weights), an
 (:class:`DrafterModel`: device, autocast, the objective and its statistics).
 
 On CUDA the forward runs under bf16 autocast and the frozen target embedding and LM head are
-bf16; on CPU everything is fp32. Parameters are fp32 masters either way. Attention is
-``train.attention`` resolved for the device (flex on CUDA by default; a clear error where the
-requested path cannot run). A microbatch's loss is its weighted CE *sum*; the optimizer divides
-the step's gradients by the step's total weight (see :mod:`dflash_staged.train.objective`).
+bf16; on CPU everything is fp32, unless ``train.cpu_bf16`` puts the drafter's forward under bf16
+autocast on a CPU with bf16 instructions (the head and the loss stay fp32). Parameters are fp32
+masters either way. Attention is ``train.attention`` resolved for the device (flex on CUDA by
+default; a clear error where the requested path cannot run). A microbatch's loss is its weighted CE
+*sum*; the optimizer divides the step's gradients by the step's total weight (see
+:mod:`dflash_staged.train.objective`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class DrafterModel:
         self.params = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
         self.anchor_gen = torch.Generator(device=device).manual_seed(t.seed * 1_000_003 + 101 + rank)
         self.attention = resolve_attention(t.attention, device)
+        self.cpu_bf16 = device.type == "cpu" and cpu_bf16(t.cpu_bf16)
         drafter.activation_checkpointing = t.activation_checkpointing
         # the target's logits in the head: for the loss, or (a store with its last layer) for the metrics
         self.memory = estimate(
@@ -90,6 +93,8 @@ class DrafterModel:
     def autocast(self):
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.cpu_bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def knobs(self, step: int, total_steps: int) -> Knobs:
@@ -248,6 +253,26 @@ def build_drafter(
         src = warm_start(drafter, init_from)
         print(f"train: drafter initialised from {src}", file=sys.stderr, flush=True)
     return drafter.to(device)
+
+
+def cpu_bf16(setting: str) -> bool:
+    """``train.cpu_bf16``: whether a CPU trainer runs under bf16 autocast (the CPU's flags decide "auto";
+    "on" is refused where the CPU has no bf16 instructions)."""
+    if setting == "off":
+        return False
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    has = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    if setting == "on" and not has:
+        raise DflashError(
+            "train.cpu_bf16 = 'on', but this CPU lists neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo: "
+            "bf16 would be emulated, slower than float32; set it to 'auto' or 'off'"
+        )
+    if has:
+        print(f"train: bf16 autocast on this CPU ({', '.join(has)})", file=sys.stderr, flush=True)
+    return bool(has)
 
 
 def planned_vocab(dcfg, record: dict | None) -> torch.Tensor | None:
