@@ -200,3 +200,17 @@ def test_eval_drafts_over_the_vocabulary_and_stays_lossless(tmp_path):
         drafts, q = prop.propose(context[:-1], prompt, sampler)
         assert isinstance(q, SparseQ) and torch.isin(drafts, ids).all()
         assert torch.isin(q.ids, ids).all() and torch.allclose(q.probs.sum(-1), torch.ones(len(drafts)))
+
+
+def test_the_memory_estimate_counts_the_head_s_rows(tmp_path):
+    from dflash_staged.train.memory import estimate
+
+    full, small = make_drafter(device="meta"), make_drafter(device="meta", draft_vocab_size=N)
+    cfg = write_config(tmp_path / "cfg.toml", "[drafter]\ndraft_vocab_size = 256\n")
+    code, out = cli("memory", "--config", cfg)
+    assert code == 0 and "loss chunk" in out, out
+    from dflash_staged.config import load_config
+
+    t = load_config(cfg).train
+    cpu = torch.device("cpu")
+    assert estimate(small, t, cpu).loss * V == estimate(full, t, cpu).loss * N
