@@ -220,6 +220,13 @@ def served(
     return out
 
 
+def _brief(x):
+    """``x`` without the reports' per-prompt records (the token ids; kept in the workdir)."""
+    if isinstance(x, dict):
+        return {k: _brief(v) for k, v in x.items() if k != "per_prompt"}
+    return [_brief(v) for v in x] if isinstance(x, list) else x
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs/dvbench/dspark")
@@ -271,7 +278,7 @@ def main() -> None:
             w, [int(x) for x in a.served.split(",")], a.budget_s, 8, a.new_tokens, a.n_max, a.outtypes
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    a.out.write_text(json.dumps(_brief(res), indent=1) + "\n")
     c = res["step_cost"]
     print("| draft vocab | coverage | train step ms | draft step ms | steps | tau greedy | tau T=1 |")
     print("|---|---|---|---|---|---|---|")
