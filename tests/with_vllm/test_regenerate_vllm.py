@@ -150,6 +150,10 @@ class VllmServer:
             time.sleep(0.5)
         return False
 
+    def freeze(self) -> None:
+        """SIGSTOP to the whole process group: it answers nothing more, and its connections stay open."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
     def kill(self) -> None:
         """kill -9 of the whole process group, then the shared memory it held removed."""
         if self.proc is None:
@@ -316,7 +320,14 @@ def test_a_client_killed_by_kill9_and_rerun_answers_each_prompt_once(target, tmp
     and the output holds every prompt once, within the module docstring's bound."""
     srv, out = target["server"], tmp_path / "out.jsonl"
     c = start_client(target, out, "--server", srv.url, "--concurrency", 1)
-    wait_for(lambda: parts_lines(out) >= 3, timeout=180, what="three answers")
+
+    def three_then_freeze() -> bool:  # stopped in the poll that sees three: the rest takes about a second
+        if parts_lines(out) < 3:
+            return False
+        os.killpg(c.pid, signal.SIGSTOP)
+        return True
+
+    wait_for(three_then_freeze, timeout=180, what="three answers")
     os.killpg(c.pid, signal.SIGKILL)
     c.wait()
     kept = _part_lines(out)
@@ -342,7 +353,15 @@ def test_the_server_killed_mid_run_and_restarted_loses_nothing(target, tmp_path)
     since = srv.log_size()
     c = start_client(target, out, "--server", srv.url, "--concurrency", 1)
     try:
-        wait_for(lambda: parts_lines(out) >= 3, timeout=180, what="three answers")
+        # The server is frozen in the same poll that sees three answers: the tiny target answers the rest in
+        # about a second, less than a kill takes on a busy host (CI once saw the client finish first).
+        def three_then_freeze() -> bool:
+            if parts_lines(out) < 3:
+                return False
+            srv.freeze()
+            return True
+
+        wait_for(three_then_freeze, timeout=180, what="three answers")
         srv.kill()
         time.sleep(1.0)  # the client finds the server gone and waits
         assert c.poll() is None and not out.exists()
