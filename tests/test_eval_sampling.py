@@ -255,6 +255,7 @@ class DFlash2Like(torch.nn.Module):
         self.inner, self.selector, self.candidate_selector = inner, selector, selector
         self.block_size, self.fc = inner.block_size, inner.fc
         self.family, self.first_row, self.proposals = dflash2_family, 1, inner.block_size - 1
+        self.d2t = None  # the whole vocabulary
 
     def fuse_context(self, hidden):
         return self.inner.fuse_context(hidden)

@@ -351,3 +351,38 @@ def test_a_replay_trains_a_draft_vocabulary_chosen_from_the_planned_counts(kept,
     ck = latest_checkpoint(tmp_path / "r")
     d = load_drafter(ck, torch.zeros(2048, 128), torch.zeros(2048, 128))
     assert d.to_target(torch.arange(300)).tolist() == want.ids.tolist()
+
+
+@pytest.mark.slow  # two ranks start (about a minute); CI runs it (.ci/run)
+def test_two_ranks_train_the_same_draft_vocabulary(kept, tmp_path):
+    """Each rank chooses the table from the manifest's counts alone (no rank sends it): two ranks of a
+    replay both say the same vocabulary, train with it, and the checkpoint carries it."""
+    from dflash_staged.model.drafters import vocab
+
+    r = run_dflash(
+        "train",
+        "--replay",
+        "--manifest",
+        kept / "manifest",
+        "--store",
+        kept / "store",
+        "--out",
+        tmp_path / "r",
+        "--set",
+        "drafter.draft_vocab_size=300",
+        "--max-steps",
+        "2",
+        "--nproc",
+        "2",
+        timeout=400,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    want = vocab.choose(
+        vocab.counts_of(Manifest.open(kept / "manifest", readonly=True).meta["loss_tokens"]), 300
+    )
+    said = f"train: draft vocabulary: 300 of 2,048 tokens cover {want.coverage:.2%}"
+    assert r.stderr.count(said) == 2, r.stderr[-3000:]  # each rank's own choice, the same
+    lines = metrics(tmp_path / "r")
+    assert [x["step"] for x in lines] == [1, 2] and all(0 < x["draft_vocab_oov"] < 1 for x in lines)
+    d = load_drafter(latest_checkpoint(tmp_path / "r"), torch.zeros(2048, 128), torch.zeros(2048, 128))
+    assert d.to_target(torch.arange(300)).tolist() == want.ids.tolist()

@@ -136,7 +136,7 @@ class DrafterProposer:
         if out is None:  # DFlash v1: the block's argmax, or a draw from its (filtered) logits
             out = sampler.propose(logits) if sampled else (logits.argmax(-1), None)
         drafts, q = out
-        if getattr(self.drafter, "d2t", None) is not None:  # draft ids of a draft vocabulary -> target ids
+        if self.drafter.d2t is not None:  # draft ids of a draft vocabulary -> target ids
             drafts = self.drafter.to_target(drafts)
         if not sampled:
             return drafts
@@ -145,7 +145,7 @@ class DrafterProposer:
     def _target_q(self, q):
         """A proposal over the head's rows as one over target ids: with a draft vocabulary, sparse on the
         vocabulary's ids (zero elsewhere, so rejection sampling stays exact)."""
-        if getattr(self.drafter, "d2t", None) is None:
+        if self.drafter.d2t is None:
             return q
         if isinstance(q, SparseQ):
             return SparseQ(self.drafter.to_target(q.ids), q.probs)

@@ -153,7 +153,7 @@ def metrics_line(
         if getattr(t.model.drafter, "selector", None) is not None:
             selector.update(selector_metrics(stats))
         selector.update(t.model.drafter.family.metrics(stats))
-        if getattr(t.model.drafter, "d2t", None) is not None:
+        if t.model.drafter.d2t is not None:
             selector["draft_vocab_oov"] = float(stats["label_oov"]) / max(float(stats["total"].sum()), 1.0)
     choices = t.dist.sum_int(data.bucket_choices if data else 0)
     return {

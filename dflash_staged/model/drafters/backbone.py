@@ -152,6 +152,9 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("t2d", torch.zeros(V, dtype=torch.long), persistent=False)
             ids = torch.arange(c.draft_vocab_size) if draft_ids is None else draft_ids
             self.set_draft_vocab(ids, lm_head_weight)
+        else:  # the whole vocabulary: ``d2t is None`` says so to every caller
+            self.register_buffer("d2t", None)
+            self.register_buffer("t2d", None, persistent=False)
         inv_freq, self.rope_scale = self._rope_init(c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.reset_parameters()
@@ -205,7 +208,7 @@ class DFlashDrafter(nn.Module):
     def draft_labels(self, labels: torch.Tensor, valid: torch.Tensor):
         """Target-id ``labels`` as draft ids, with the rows whose label lies outside the draft vocabulary
         masked: ``(labels, valid, outside)``, ``outside`` the count of valid rows masked (a tensor)."""
-        if getattr(self, "d2t", None) is None:
+        if self.d2t is None:
             return labels, valid, labels.new_zeros(())
         d = self.t2d.to(labels.device)[labels.long()]
         inside = d >= 0
@@ -213,7 +216,7 @@ class DFlashDrafter(nn.Module):
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids as target ids (unchanged without a draft vocabulary)."""
-        if getattr(self, "d2t", None) is None:
+        if self.d2t is None:
             return draft_ids
         d = draft_ids.long()
         return d + self.d2t.to(d.device)[d]

@@ -143,7 +143,7 @@ def dflash_loss(
         topk = TopK(
             batch["topk_ids"].to(dev), batch["topk_logprobs"].to(dev), None if tail is None else tail.to(dev)
         ).first(target_topk)
-        if getattr(drafter, "d2t", None) is not None:  # over the draft vocabulary, renormalised
+        if drafter.d2t is not None:  # over the draft vocabulary, renormalised
             topk = topk.restrict(drafter.t2d)
     fam = drafter.family
     if fam.needs_target and not (full or topk is not None):

@@ -126,7 +126,7 @@ def markov_walk(drafter, logits, hidden, anchor, temperature: float = 0.0, gener
             pick = row.argmax(-1)
         drafts.append(pick)
         rows.append(row)
-        prev = drafter.to_target(pick) if getattr(drafter, "d2t", None) is not None else pick  # (target ids)
+        prev = drafter.to_target(pick) if drafter.d2t is not None else pick  # (target ids)
     drafts = torch.stack(drafts)
     e = torch.stack(embeds) if embeds else None
     return drafts, torch.stack(rows), confidence_logits(drafter, hidden, e)
