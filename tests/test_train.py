@@ -359,23 +359,9 @@ def test_two_ranks_train_the_same_draft_vocabulary(kept, tmp_path):
     replay both say the same vocabulary, train with it, and the checkpoint carries it."""
     from dflash_staged.model.drafters import vocab
 
-    r = run_dflash(
-        "train",
-        "--replay",
-        "--manifest",
-        kept / "manifest",
-        "--store",
-        kept / "store",
-        "--out",
-        tmp_path / "r",
-        "--set",
-        "drafter.draft_vocab_size=300",
-        "--max-steps",
-        "2",
-        "--nproc",
-        "2",
-        timeout=400,
-    )
+    args = ("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store")
+    size, steps = ("--set", "drafter.draft_vocab_size=300"), ("--max-steps", "2")
+    r = run_dflash(*args, "--out", tmp_path / "r", *size, *steps, "--nproc", "2", timeout=400)
     assert r.returncode == 0, r.stdout + r.stderr
     want = vocab.choose(
         vocab.counts_of(Manifest.open(kept / "manifest", readonly=True).meta["loss_tokens"]), 300
