@@ -36,7 +36,10 @@ def hooked_env(**hooks) -> dict:
 
 def tracebacks(text: str) -> list[str]:
     """The Python tracebacks in a log, but for torchrun's own report that a rank exited with a non-zero
-    code (``ChildFailedError``: how torchrun ends when a stop signal made its ranks exit 128 + N)."""
+    code (``ChildFailedError``: how torchrun ends when a stop signal made its ranks exit 128 + N). What
+    torchrun's agent logs through its logger (each line prefixed ``E1206 12:00:00.000000 PID file:line]``)
+    is not a traceback of this project's: with two nodes the agent hosting the store may leave its exit
+    barrier before the other agent's wait returns (pytorch/pytorch#69520), after every rank exited 0."""
     out, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         if not lines[i].startswith("Traceback (most recent call last):"):

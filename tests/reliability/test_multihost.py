@@ -22,7 +22,7 @@ import pytest
 from dflash_staged.manifest import Manifest
 
 from helpers import plan, start
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
+from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store, tracebacks
 
 WINDOW = 8
 LEASE_S = 2.0
@@ -126,7 +126,7 @@ class Run:
 
     def check(self) -> None:
         logs = self.logs()
-        assert "Traceback" not in logs, logs[-4000:]
+        assert not tracebacks(logs), logs[-4000:]
         assert self.max_window <= WINDOW, f"window {self.max_window} > {WINDOW}"
         assert_exactly_once(self.url, self.run_dir)
         self.m.close()
@@ -299,7 +299,7 @@ def test_trainer_ranks_on_two_nodes(tmp_path, pg):
             if p.poll() is None:
                 p.kill()
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob("*.log")))
-    assert all(p.returncode == 0 for p in procs) and "Traceback" not in logs, logs[-4000:]
+    assert all(p.returncode == 0 for p in procs) and not tracebacks(logs), logs[-4000:]
     assert seen == {("node-0", 0), ("node-1", 1)}, seen
     state = assert_exactly_once(url, run_dir)
     assert {c.rank for items in state.consumed().values() for c in items} == {0, 1}

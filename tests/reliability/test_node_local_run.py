@@ -20,7 +20,13 @@ from dflash_staged.manifest.status import format_nodes
 from dflash_staged.train.checkpoint import latest_checkpoint, load_checkpoint
 
 from helpers import ROOT, plan, start
-from rel_helpers import assert_all_released_and_clean, assert_exactly_once, hooked_env, scan_store
+from rel_helpers import (
+    assert_all_released_and_clean,
+    assert_exactly_once,
+    hooked_env,
+    scan_store,
+    tracebacks,
+)
 
 # per node: the tiny config's buffer_capacity 4 x 1 rank fits; one window for both nodes' 2 ranks would
 # need 8 and be refused, so these runs also show that the window rule counts a node's own ranks
@@ -99,7 +105,7 @@ def test_two_nodes_each_train_on_their_own_store(tmp_path, pg):
             if p.poll() is None:
                 p.kill()
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob("*.log")))
-    assert all(p.returncode == 0 for p in procs) and "Traceback" not in logs, logs[-4000:]
+    assert all(p.returncode == 0 for p in procs) and not tracebacks(logs), logs[-4000:]
     state = assert_exactly_once(url, run_dir)
     copy = latest_checkpoint(runs["node-b"])  # node-b's first rank keeps its own copy of every checkpoint
     assert copy is not None and copy.name == latest_checkpoint(run_dir).name
