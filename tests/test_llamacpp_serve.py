@@ -238,6 +238,7 @@ def test_a_killed_command_takes_its_server_with_it(served, llama_bin, tmp_path):
     assert not pid_alive(HOST, server, None)
 
 
+@pytest.mark.slow  # 30-70 s: the default suite's 12 minutes; CI runs it (.ci/run)
 def test_export_command_and_q8_0_serving(served, tmp_path):
     """``dflash serve export`` writes the GGUF files with llama.cpp's converter and the server line; at q8_0
     (llama.cpp's defaults: f16 caches, flash attention) the drafter still serves losslessly."""

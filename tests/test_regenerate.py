@@ -127,6 +127,7 @@ def test_bad_lines_are_refused_before_anything_runs(tmp_path, line, field):
     assert not out.exists() and not (tmp_path / "out.jsonl.parts").exists()
 
 
+@pytest.mark.slow  # 30-70 s: the default suite's 12 minutes; CI runs it (.ci/run)
 def test_kill9_midway_then_rerun_gives_each_answer_once_and_the_same_text(tmp_path):
     prompts, ref, out = (
         write_prompts(tmp_path / "p.jsonl", 24),

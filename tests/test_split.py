@@ -179,6 +179,7 @@ def test_split_auto_dry_run_on_cpu_measures_chooses_and_starts_nothing(tmp_path)
     assert not (tmp_path / "w" / "run").exists() and "[launch] starting" not in r.stdout
 
 
+@pytest.mark.slow  # 30-70 s: the default suite's 12 minutes; CI runs it (.ci/run)
 def test_split_auto_full_run_on_cpu_consumes_every_job_exactly_once(tmp_path):
     """The acceptance test: probe, choose, run; the probe's jobs are trained like the others."""
     from dflash_staged.manifest import Manifest

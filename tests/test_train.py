@@ -132,6 +132,7 @@ def test_kill9_trainer_and_resume_exactly_once(extracted, tmp_path):
     assert (run / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow  # 30-70 s: the default suite's 12 minutes; CI runs it (.ci/run)
 def test_replay_is_deterministic_and_resumes_equal(kept, tmp_path):
     # no warmup, so a schedule cut short by the interruption below would show at once
     args = ("train", "--replay", "--manifest", kept / "manifest", "--store", kept / "store")

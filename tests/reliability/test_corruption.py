@@ -224,6 +224,7 @@ def test_corruption_detected_and_reextracted(tmp_path, backend):
     )
 
 
+@pytest.mark.slow  # 30-70 s: the default suite's 12 minutes; CI runs it (.ci/run)
 def test_damaged_shard_found_by_a_trainer_started_just_after_extract(tmp_path):
     """Regression: over a fully extracted manifest, a `dflash extract` started beside a trainer found
     nothing to claim and left before the trainer had registered; the trainer then sent a damaged shard

@@ -129,6 +129,7 @@ def test_full_disk_when_creating_store_or_epoch_is_store_full_error(tmp_path, mo
     assert not (tmp_path / "store2").exists() and not list(tmp_path.glob(".store2.tmp~*"))
 
 
+@pytest.mark.slow  # 30-70 s: the default suite's 12 minutes; CI runs it (.ci/run)
 def test_checkpoint_on_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path):
     """Regression: a full disk while `dflash train` wrote a checkpoint was a raw traceback (safetensors'
     SafetensorError). Now: one line naming the checkpoint directory and the bytes needed, exit 1, no

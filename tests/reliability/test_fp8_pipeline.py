@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dflash_staged.manifest import Manifest
 from dflash_staged.store import ShardStore, bytes_per_token
 
@@ -35,6 +37,7 @@ def run(tmp_path, extra: str) -> tuple:
     return mdir, store, out, bpt, nbytes / tokens, logs
 
 
+@pytest.mark.slow  # 30-70 s: the default suite's 12 minutes; CI runs it (.ci/run)
 def test_fp8_store_trains_exactly_once_at_half_the_bytes_and_replays_equal(tmp_path):
     mdir, store, out, bpt, per_token, logs = run(tmp_path / "fp8", FP8)
     assert ShardStore.open(store).meta.store_dtype == "float8_e4m3fn"

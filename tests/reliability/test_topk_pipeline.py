@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dflash_staged.manifest import Manifest
 
 from helpers import plan
@@ -29,6 +31,7 @@ def run(tmp_path, target: str) -> tuple[object, int]:
     return out, nbytes
 
 
+@pytest.mark.slow  # 30-70 s: the default suite's 12 minutes; CI runs it (.ci/run)
 def test_topk_side_by_side_trains_exactly_once_on_a_smaller_store(tmp_path):
     out, topk_bytes = run(tmp_path / "topk", "[target]\nstore_topk = 16\n")
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
