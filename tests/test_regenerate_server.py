@@ -261,6 +261,19 @@ def wait_for(cond, timeout: float = 60.0, what: str = "") -> None:
         time.sleep(0.02)
 
 
+def freeze_after_three(out, pgid: int, timeout: float = 60.0) -> None:
+    """Wait for three answers in ``out``'s part files, then SIGSTOP the process group ``pgid`` in that same
+    poll: a tiny target answers the rest in about a second, less than a kill takes on a busy host."""
+
+    def seen() -> bool:
+        if parts_lines(out) < 3:
+            return False
+        os.killpg(pgid, signal.SIGSTOP)
+        return True
+
+    wait_for(seen, timeout, "three answers")
+
+
 def start_client(target, out, *args) -> subprocess.Popen:
     cmd = [
         sys.executable,
@@ -302,16 +315,10 @@ def test_a_server_restart_and_a_kill9_of_the_client_lose_nothing(target, llama_b
         os.killpg(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait()
 
-    def three_then_freeze(out) -> bool:  # the server stopped in the poll that sees three: the rest is quick
-        if parts_lines(out) < 3:
-            return False
-        os.killpg(srv.proc.pid, signal.SIGSTOP)
-        return True
-
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     with srv:
         c = start_client(target, first, "--server", srv.url)
-        wait_for(lambda: three_then_freeze(first), what="three answers")
+        freeze_after_three(first, srv.proc.pid)
         kill_server()
         time.sleep(1.0)  # the client finds the server gone and waits
         assert c.poll() is None and not first.exists()
@@ -322,7 +329,7 @@ def test_a_server_restart_and_a_kill9_of_the_client_lose_nothing(target, llama_b
         same_answers(lines(first), target)
 
         c = start_client(target, second, "--server", srv.url)
-        wait_for(lambda: three_then_freeze(second), what="three answers")
+        freeze_after_three(second, srv.proc.pid)
         kill_server()
         time.sleep(0.5)
         os.killpg(c.pid, signal.SIGKILL)

@@ -38,6 +38,7 @@ from chat_target import save_chat_target  # noqa: E402
 from test_regenerate_server import (  # noqa: E402
     CONVERSATIONS,
     conversations,
+    freeze_after_three,
     greedy_margins,
     in_process,
     lines,
@@ -46,7 +47,6 @@ from test_regenerate_server import (  # noqa: E402
     regen,
     same_answers,
     start_client,
-    wait_for,
     write_jsonl,
 )
 
@@ -149,10 +149,6 @@ class VllmServer:
             assert time.monotonic() - self._t0 < START_TIMEOUT_S, "the vLLM server did not start"
             time.sleep(0.5)
         return False
-
-    def freeze(self) -> None:
-        """SIGSTOP to the whole process group: it answers nothing more, and its connections stay open."""
-        os.killpg(self.proc.pid, signal.SIGSTOP)
 
     def kill(self) -> None:
         """kill -9 of the whole process group, then the shared memory it held removed."""
@@ -320,14 +316,7 @@ def test_a_client_killed_by_kill9_and_rerun_answers_each_prompt_once(target, tmp
     and the output holds every prompt once, within the module docstring's bound."""
     srv, out = target["server"], tmp_path / "out.jsonl"
     c = start_client(target, out, "--server", srv.url, "--concurrency", 1)
-
-    def three_then_freeze() -> bool:  # stopped in the poll that sees three: the rest takes about a second
-        if parts_lines(out) < 3:
-            return False
-        os.killpg(c.pid, signal.SIGSTOP)
-        return True
-
-    wait_for(three_then_freeze, timeout=180, what="three answers")
+    freeze_after_three(out, c.pid, timeout=180)
     os.killpg(c.pid, signal.SIGKILL)
     c.wait()
     kept = _part_lines(out)
@@ -353,15 +342,7 @@ def test_the_server_killed_mid_run_and_restarted_loses_nothing(target, tmp_path)
     since = srv.log_size()
     c = start_client(target, out, "--server", srv.url, "--concurrency", 1)
     try:
-        # The server is frozen in the same poll that sees three answers: the tiny target answers the rest in
-        # about a second, less than a kill takes on a busy host (CI once saw the client finish first).
-        def three_then_freeze() -> bool:
-            if parts_lines(out) < 3:
-                return False
-            srv.freeze()
-            return True
-
-        wait_for(three_then_freeze, timeout=180, what="three answers")
+        freeze_after_three(out, srv.proc.pid, timeout=180)  # CI once saw the client finish before a kill
         srv.kill()
         time.sleep(1.0)  # the client finds the server gone and waits
         assert c.poll() is None and not out.exists()
